@@ -1,0 +1,28 @@
+"""distcompile: compiled data-parallel training whose gradient all-reduces overlap backward.
+
+Example:
+    >>> import distcompile
+    >>> # model = distcompile.wrap(DDP(MyModel()), backend="inductor")
+"""
+
+from ._config import Config
+from ._errors import ConfigError, DesyncError, DistCompileError, UnsupportedModelError
+from ._planning import Bucket, NodeInfo, Plan, plan_graph
+from ._wrap import DistCompiledModule, GraphRecord, wrap
+
+__all__ = [
+    "Bucket",
+    "Config",
+    "ConfigError",
+    "DesyncError",
+    "DistCompileError",
+    "DistCompiledModule",
+    "GraphRecord",
+    "NodeInfo",
+    "Plan",
+    "UnsupportedModelError",
+    "plan_graph",
+    "wrap",
+]
+
+__version__ = "0.1.0"

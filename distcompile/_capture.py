@@ -1,0 +1,94 @@
+"""Read a TorchDynamo graph into the planner's terms.
+
+TorchDynamo hands the backend an FX graph whose trainable parameters arrive either as
+placeholders (the default since ``inline_inbuilt_nn_modules``) whose example input is
+the real ``nn.Parameter``, or as ``get_attr`` nodes. Both are mapped back to the
+parameter's qualified name in the wrapped module, so names match on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from ._planning import NodeInfo
+
+__all__ = ["CapturedGraph", "read_graph"]
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedGraph:
+    """A forward graph reduced to what planning needs.
+
+    Attributes:
+        body: The partitionable nodes (not placeholders, ``get_attr`` or output), in order.
+        nodes: One :class:`NodeInfo` per body node.
+        params: Trainable parameter name -> parameter, for the parameters the graph receives.
+    """
+
+    body: tuple[fx.Node, ...]
+    nodes: tuple[NodeInfo, ...]
+    params: Mapping[str, torch.nn.Parameter]
+
+
+def _get_attr(gm: fx.GraphModule, qualname: str) -> object:
+    obj: object = gm
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def read_graph(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[object],
+    names_by_id: Mapping[int, str],
+) -> CapturedGraph:
+    """Map ``gm``'s parameter inputs to names and list each node's parameter reads.
+
+    Args:
+        gm: The graph TorchDynamo passed to the backend.
+        example_inputs: The backend's example inputs, one per placeholder.
+        names_by_id: ``id(param) -> qualified name`` for the wrapped module's trainable
+            parameters.
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> gm = fx.symbolic_trace(lin)
+        >>> cg = read_graph(gm, [torch.zeros(1, 2)], {id(p): n for n, p in lin.named_parameters()})
+        >>> [n.params for n in cg.nodes]
+        [('weight', 'bias')]
+    """
+    param_of: dict[fx.Node, str] = {}
+    params: dict[str, torch.nn.Parameter] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        name = names_by_id.get(id(value))
+        if name is not None and isinstance(value, torch.Tensor) and value.requires_grad:
+            param_of[node] = name
+            params[name] = value  # type: ignore[assignment]
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = _get_attr(gm, str(node.target))
+            name = names_by_id.get(id(value))
+            if name is not None and isinstance(value, torch.Tensor) and value.requires_grad:
+                param_of[node] = name
+                params[name] = value  # type: ignore[assignment]
+
+    body = tuple(n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output"))
+    index = {n: i for i, n in enumerate(body)}
+    nodes = []
+    for node in body:
+        reads: list[str] = []
+        for arg in node.all_input_nodes:
+            name = param_of.get(arg)
+            if name is not None and name not in reads:
+                reads.append(name)
+        last_user = max(
+            (len(body) if u.op == "output" else index.get(u, -1) for u in node.users),
+            default=-1,
+        )
+        nodes.append(NodeInfo(node.name, tuple(reads), last_user))
+    return CapturedGraph(body=body, nodes=tuple(nodes), params=params)

@@ -1,0 +1,321 @@
+"""Note [Bucketed all-reduce]
+
+Background
+    The planner gives each captured graph buckets aligned with its segments. At run time
+    a training step may execute several graphs (graph breaks) and eager code between
+    them; this module turns the graphs a step actually ran into an ordered list of flat
+    buckets, and all-reduces each one as soon as its last gradient is final.
+
+Algorithm
+    * A parameter is *ready* when its post-accumulate-grad hook fires. The autograd
+      engine runs a leaf's ``AccumulateGrad`` once per ``backward()``, after every use's
+      gradient has arrived, so the hook fires exactly once, when the gradient is final.
+    * The launch order is fixed by what ran in forward, identically on every rank:
+      graphs in reverse first-execution order, each graph's buckets in plan order, then
+      one trailing bucket for every other trainable parameter (those only read by eager
+      code, or owned by a graph that did not run). A parameter goes with its first use.
+    * Buckets launch strictly in that order (bucket *k+1* waits for bucket *k*), so
+      collectives match across ranks. Launching copies each gradient into the bucket
+      already multiplied by ``1/world_size`` (and cast, under compression), then starts
+      ``all_reduce(async_op=True)``.
+    * A callback queued on the autograd engine runs when ``backward()`` finishes: it
+      launches what is left, waits for every bucket in order, and writes ``param.grad``.
+
+Notes
+    * Every flat buffer ends with one flag per parameter (1 if this rank produced a
+      gradient this step). After the all-reduce, a parameter no rank produced a
+      gradient for keeps its ``grad`` untouched; otherwise it gets the average, with
+      zeros standing in for ranks without a gradient. This is DDP's
+      ``find_unused_parameters`` behaviour, always on, for one extra element per parameter.
+    * ``gradient_as_bucket_view`` leaves ``param.grad`` as a view of the flat buffer, so
+      later steps accumulate straight into the bucket and launching needs no copy.
+
+Debugging
+    ``StepStats`` of the last step are on ``BucketReducer.last_step``; set
+    ``TORCH_LOGS=+distcompile`` (or logging DEBUG for ``distcompile``) to see launches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ._errors import UnsupportedModelError
+
+__all__ = ["BucketReducer", "StepStats"]
+
+log = logging.getLogger(__name__)
+
+_COMPRESSED = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class _FlatBucket:
+    """One flat buffer of same-dtype parameters, plus one used-flag per parameter."""
+
+    def __init__(
+        self,
+        index: int,
+        params: Sequence[tuple[str, torch.nn.Parameter]],
+        *,
+        compression: str | None,
+        grad_as_view: bool,
+    ) -> None:
+        self.index = index
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        dtype, device = self.params[0].dtype, self.params[0].device
+        self.numel = sum(p.numel() for p in self.params)
+        self.offsets = []
+        offset = 0
+        for p in self.params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        total = self.numel + len(self.params)
+        self.buffer = torch.zeros(total, dtype=dtype, device=device)
+        wire = _COMPRESSED[compression]
+        self.wire = self.buffer if wire is None or wire == dtype else torch.zeros(total, dtype=wire, device=device)
+        self.grad_as_view = grad_as_view
+        self.views = [self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
+        self.wire_views = (
+            self.views
+            if self.wire is self.buffer
+            else [self.wire[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
+        )
+        self.ready = [False] * len(self.params)
+        self.n_ready = 0
+        self.work: dist.Work | None = None
+        self.launched_at = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return self.wire.numel() * self.wire.element_size()
+
+    def reset(self) -> None:
+        self.ready = [False] * len(self.params)
+        self.n_ready = 0
+        self.work = None
+
+    def launch(self, group: dist.ProcessGroup | None, scale: float) -> None:
+        flags = []
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if not self.ready[i] or g is None:
+                self.wire_views[i].zero_()
+                flags.append(0.0)
+                continue
+            if g.is_sparse:
+                raise UnsupportedModelError(
+                    f"parameter {self.names[i]!r} has a sparse gradient; distcompile reduces dense "
+                    "buckets only. Use nn.Embedding(sparse=False) or plain DDP for this model."
+                )
+            flags.append(scale)
+            dst = self.wire_views[i]
+            if g.data_ptr() == dst.data_ptr():
+                dst.mul_(scale)
+            else:
+                torch.mul(g, scale, out=dst)
+        self.wire[self.numel :].copy_(torch.tensor(flags, dtype=self.wire.dtype))
+        self.launched_at = time.perf_counter()
+        self.work = dist.all_reduce(self.wire, group=group, async_op=True)
+
+    def finish(self) -> None:
+        assert self.work is not None, "finish() before launch()"
+        self.work.wait()
+        used = self.wire[self.numel :].tolist()
+        for i, p in enumerate(self.params):
+            if used[i] <= 0:
+                continue  # no rank produced a gradient: leave .grad alone, as DDP does
+            src = self.wire_views[i]
+            if self.grad_as_view:
+                if src is not self.views[i]:
+                    self.views[i].copy_(src)
+                if p.grad is None or p.grad.data_ptr() != self.views[i].data_ptr():
+                    p.grad = self.views[i]
+            elif p.grad is None:
+                p.grad = src.to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(src)
+
+
+@dataclass
+class StepStats:
+    """Timings of one synchronized step, in milliseconds.
+
+    Attributes:
+        buckets: Number of buckets all-reduced.
+        bytes: Bytes all-reduced (payload plus flags).
+        exposed_comm_ms: Time ``backward()`` spent waiting for communication at its end.
+        launch_ms: For each bucket, launch time after the first gradient became ready.
+    """
+
+    buckets: int = 0
+    bytes: int = 0
+    exposed_comm_ms: float = 0.0
+    launch_ms: list[float] = field(default_factory=list)
+
+
+class _Step:
+    def __init__(self) -> None:
+        self.graphs: list[int] = []
+        self.order: list[_FlatBucket] | None = None
+        self.cursor = 0
+        self.ready: set[int] = set()
+        self.started = 0.0
+
+
+class BucketReducer:
+    """Owns gradient synchronization for the trainable parameters of one wrapped model.
+
+    Example:
+        >>> # created by distcompile.wrap; a training step then looks like eager DDP:
+        >>> # loss = model(x).sum(); loss.backward()  # grads are averaged across ranks
+    """
+
+    def __init__(
+        self,
+        params: Mapping[str, torch.nn.Parameter],
+        *,
+        group: dist.ProcessGroup | None,
+        compression: str | None,
+        grad_as_view: bool,
+    ) -> None:
+        self.params = dict(params)
+        self.group = group
+        self.compression = compression
+        self.grad_as_view = grad_as_view
+        self.world_size = dist.get_world_size(group)
+        self._graph_buckets: dict[int, list[list[str]]] = {}
+        self._schedules: dict[tuple[int, ...], list[_FlatBucket]] = {}
+        self._step: _Step | None = None
+        self._warned_unsynced = False
+        self.last_step = StepStats()
+        self._index_of = {id(p): i for i, p in enumerate(self.params.values())}
+        self._name_of = {id(p): n for n, p in self.params.items()}
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params.values()]
+
+    # -- forward side ------------------------------------------------------------
+    def add_graph(self, graph_id: int, buckets: Sequence[Sequence[str]]) -> None:
+        """Register the planned buckets (parameter names, gradient order) of a graph."""
+        self._graph_buckets[graph_id] = [list(b) for b in buckets]
+
+    def begin_forward(self) -> None:
+        """Open a step (if none is open): the next backward synchronizes gradients."""
+        if self._step is None:
+            self._step = _Step()
+
+    def record_graph(self, graph_id: int) -> None:
+        """Note that a captured graph ran with gradients in the open step."""
+        step = self._step
+        if step is not None and step.order is None and graph_id not in step.graphs:
+            step.graphs.append(graph_id)
+
+    def claimed(self) -> set[str]:
+        """Parameters bucketed by graphs that already ran in the open step."""
+        step = self._step
+        if step is None:
+            return set()
+        return {p for g in step.graphs for b in self._graph_buckets.get(g, ()) for p in b}
+
+    @property
+    def step_open(self) -> bool:
+        return self._step is not None
+
+    # -- backward side -------------------------------------------------------------
+    def _schedule(self, graphs: tuple[int, ...]) -> list[_FlatBucket]:
+        order = self._schedules.get(graphs)
+        if order is not None:
+            for b in order:
+                b.reset()
+            return order
+        claimed: set[str] = set()
+        groups: list[list[str]] = []
+        # First use wins: claim graphs in forward order, launch them in reverse.
+        per_graph = []
+        for g in graphs:
+            mine = [[p for p in b if p not in claimed] for b in self._graph_buckets.get(g, ())]
+            claimed.update(p for b in mine for p in b)
+            per_graph.append(mine)
+        for mine in reversed(per_graph):
+            groups.extend(b for b in mine if b)
+        rest = [n for n in reversed(list(self.params)) if n not in claimed]
+        if rest:
+            groups.append(rest)
+        order = []
+        for names in groups:
+            by_dtype: dict[tuple[torch.dtype, torch.device], list[tuple[str, torch.nn.Parameter]]] = {}
+            for n in names:
+                p = self.params[n]
+                by_dtype.setdefault((p.dtype, p.device), []).append((n, p))
+            for members in by_dtype.values():
+                order.append(
+                    _FlatBucket(len(order), members, compression=self.compression, grad_as_view=self.grad_as_view)
+                )
+        self._schedules[graphs] = order
+        log.debug(
+            "schedule for graphs %s: %s",
+            graphs,
+            [(b.index, len(b.params), b.nbytes) for b in order],
+        )
+        return order
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        step = self._step
+        if step is None:
+            if not self._warned_unsynced:
+                self._warned_unsynced = True
+                log.debug("gradient of %s accumulated outside a synchronized step (no_sync?)",
+                          self._name_of.get(id(param)))
+            return
+        if step.order is None:
+            step.order = self._schedule(tuple(step.graphs))
+            step.started = time.perf_counter()
+            self._locate = {id(p): (b, i) for b in step.order for i, p in enumerate(b.params)}
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_step)
+        bucket, i = self._locate[id(param)]
+        if not bucket.ready[i]:
+            bucket.ready[i] = True
+            bucket.n_ready += 1
+        self._launch_ready(step)
+
+    def _launch_ready(self, step: _Step, *, all_remaining: bool = False) -> None:
+        order = step.order
+        assert order is not None
+        scale = 1.0 / self.world_size
+        while step.cursor < len(order):
+            bucket = order[step.cursor]
+            if not all_remaining and bucket.n_ready < len(bucket.params):
+                return
+            bucket.launch(self.group, scale)
+            step.cursor += 1
+
+    def _finish_step(self) -> None:
+        step = self._step
+        self._step = None
+        if step is None or step.order is None:
+            return
+        t0 = time.perf_counter()
+        self._launch_ready(step, all_remaining=True)
+        for bucket in step.order:
+            bucket.finish()
+        t1 = time.perf_counter()
+        self.last_step = StepStats(
+            buckets=len(step.order),
+            bytes=sum(b.nbytes for b in step.order),
+            exposed_comm_ms=(t1 - t0) * 1e3,
+            launch_ms=[(b.launched_at - step.started) * 1e3 for b in step.order],
+        )
+
+    def abandon_step(self) -> None:
+        """Forget an open step whose backward never ran (e.g. forward under grad, no backward)."""
+        self._step = None
+
+    def close(self) -> None:
+        """Remove the gradient hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -1,0 +1,97 @@
+"""The one options object of distcompile."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ._errors import ConfigError
+
+__all__ = ["Config", "BACKENDS", "COMPRESSIONS"]
+
+#: Inner compilers a segment can be compiled with, in debugging-ladder order.
+BACKENDS = ("eager", "aot_eager", "inductor")
+#: Gradient compression formats for the all-reduce.
+COMPRESSIONS = (None, "fp16", "bf16")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Config:
+    """Options of :func:`distcompile.wrap`; every field may also be passed to ``wrap`` as a keyword.
+
+    Attributes:
+        backend: Compiler for each graph segment: ``"inductor"`` (fused C++/Triton
+            kernels), ``"aot_eager"`` (AOTAutograd without code generation) or ``"eager"``
+            (Dynamo capture only). Walk this ladder when debugging.
+        bucket_cap_mb: Gradient bucket size in MiB. ``None`` takes the DDP model's
+            ``bucket_cap_mb`` (25 MiB for a plain module).
+        first_bucket_cap_mb: Size of the first bucket in gradient order, which is kept
+            small so communication starts early. ``None`` follows DDP: 1 MiB when the
+            bucket cap is DDP's default, else the bucket cap.
+        compression: ``None`` (all-reduce in the gradient dtype), ``"bf16"`` or
+            ``"fp16"``: gradients are cast into a half-precision bucket, averaged, and
+            cast back. ``None`` also inherits a DDP model's registered fp16/bf16 hook.
+        gradient_as_bucket_view: Leave ``param.grad`` as a view into its bucket (saves
+            one copy and the memory of one gradient set). ``None`` takes the DDP
+            model's setting (``False`` for a plain module).
+        broadcast_buffers: Broadcast buffers from rank 0 before each training forward,
+            as DDP does. ``None`` takes the DDP model's setting (``True`` for a plain module).
+        mode: Passed through to ``torch.compile`` for the inductor backend
+            (e.g. ``"max-autotune-no-cudagraphs"``).
+        fullgraph: Raise if TorchDynamo has to break the graph, as in ``torch.compile``.
+        dynamic: Passed through to ``torch.compile`` (``None``: automatic dynamic shapes).
+        cudagraphs: Record each segment in a CUDA graph. CUDA only.
+        desync_timeout_s: Seconds to wait for every rank to publish its plan before
+            raising :class:`distcompile.DesyncError`.
+        logdir: Directory for TensorBoard step scalars (rank 0). ``None`` writes nothing.
+    """
+
+    backend: str = "inductor"
+    bucket_cap_mb: float | None = None
+    first_bucket_cap_mb: float | None = None
+    compression: str | None = None
+    gradient_as_bucket_view: bool | None = None
+    broadcast_buffers: bool | None = None
+    mode: str | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    cudagraphs: bool = False
+    desync_timeout_s: float = 60.0
+    logdir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(
+                f"backend={self.backend!r} is not one of {BACKENDS}; distcompile compiles each "
+                "segment itself and supports only these. Use backend='inductor' for speed or "
+                "'aot_eager'/'eager' to debug."
+            )
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name}={value!r} must be a positive number of MiB (or None).")
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError(
+                f"compression={self.compression!r} is not supported; use one of {COMPRESSIONS}."
+            )
+        if not self.desync_timeout_s > 0:
+            raise ConfigError(f"desync_timeout_s={self.desync_timeout_s!r} must be > 0 seconds.")
+        if self.cudagraphs and self.backend != "inductor":
+            raise ConfigError(
+                f"cudagraphs=True needs backend='inductor', got backend={self.backend!r}."
+            )
+
+    def replace(self, **changes: object) -> Config:
+        """Return a copy with ``changes`` applied (and validated).
+
+        Example:
+            >>> Config().replace(backend="aot_eager").backend
+            'aot_eager'
+        """
+        fields = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - fields)
+        if unknown:
+            raise ConfigError(
+                f"unknown option(s) {unknown}; valid options are {sorted(fields)}."
+            )
+        return dataclasses.replace(self, **changes)

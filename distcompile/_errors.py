@@ -1,0 +1,25 @@
+"""Exception types raised by distcompile.
+
+Every error names the value that was found, why it is a problem, and the
+setting or call that fixes it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DistCompileError", "ConfigError", "UnsupportedModelError", "DesyncError"]
+
+
+class DistCompileError(RuntimeError):
+    """Base class of every error distcompile raises on purpose."""
+
+
+class ConfigError(DistCompileError, ValueError):
+    """An option of :class:`distcompile.Config` (or of ``wrap``) is invalid."""
+
+
+class UnsupportedModelError(DistCompileError, TypeError):
+    """The model (or its DDP wrapper) uses something distcompile cannot honour."""
+
+
+class DesyncError(DistCompileError):
+    """Ranks captured different graphs or plans, or a rank did not answer in time."""

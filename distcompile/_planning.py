@@ -1,0 +1,237 @@
+"""Note [Planning segments and buckets together]
+
+Background
+    A compiled graph runs its backward as one autograd node, so no gradient is final
+    (and no all-reduce can start) until all of it is done. Splitting the forward graph
+    into segments, each compiled on its own, gives one backward node per segment; if
+    the gradient buckets are chosen *from the same split*, each bucket's all-reduce can
+    start the moment its segment's backward ends.
+
+Algorithm
+    The input is the forward graph as a list of nodes in execution order, each with the
+    trainable parameters it reads, plus the parameter sizes. Bucket *k* holds exactly
+    the parameters whose **first use in forward** lies in segment *k*: every later use
+    is in a later segment, whose backward runs earlier, so the bucket's gradients are
+    final when its segment's backward ends. A parameter read several times (a tied
+    embedding) is counted once, with its first use.
+
+    Nodes are walked from last to first (gradient order). The bytes of parameters first
+    used at each node are added to the open bucket; once it reaches its cap (a small
+    first cap for the first bucket in gradient order, so communication starts early,
+    then ``bucket_cap``) the segment is closed just before the node that filled it. A
+    segment is only closed if one of its values is used outside it, since an FX
+    partition without outputs would be dropped. A leading segment without parameters
+    is merged into the next one.
+
+Notes
+    Planning is pure: the same inputs give the same plan on every rank, and nothing here
+    touches a process group, a compiler or a tensor. Parameters owned by an earlier
+    graph of the same step (``owned_elsewhere``) are read but not bucketed here.
+
+Debugging
+    ``Plan.describe()`` prints the segments and buckets; ``distcompile.explain`` shows
+    it for a real model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["NodeInfo", "Bucket", "Plan", "plan_graph", "DEFAULT_FIRST_BUCKET_BYTES"]
+
+#: DDP's first-bucket cap (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``).
+DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """One forward graph node as the planner sees it.
+
+    Attributes:
+        name: The FX node name.
+        params: Names of the trainable parameters the node reads.
+        last_user: Index of the last node that reads this node's value
+            (``len(nodes)`` for the graph output, ``-1`` if nothing reads it).
+    """
+
+    name: str
+    params: tuple[str, ...] = ()
+    last_user: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """Parameters reduced together.
+
+    Attributes:
+        index: Position in gradient (launch) order; bucket 0 is ready first.
+        segment: The segment holding the first forward use of every parameter here.
+        params: Parameter names, in gradient order (reverse first use).
+        nbytes: Total gradient bytes.
+    """
+
+    index: int
+    segment: int
+    params: tuple[str, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Segments of one graph and the buckets aligned with them.
+
+    Attributes:
+        segments: ``(start, stop)`` node ranges in forward order, covering every node.
+        buckets: Buckets in gradient order (``buckets[0]`` belongs to the last segment).
+        first_use: Parameter name -> index of the node that first reads it.
+        shared: Parameters read by more than one node, with their use count.
+        foreign: Parameters read here but owned by an earlier graph.
+        unused: Parameters given to the planner that no node reads.
+    """
+
+    segments: tuple[tuple[int, int], ...]
+    buckets: tuple[Bucket, ...]
+    first_use: Mapping[str, int]
+    shared: Mapping[str, int]
+    foreign: tuple[str, ...]
+    unused: tuple[str, ...]
+
+    def segment_of(self, node_index: int) -> int:
+        """Return the segment that holds node ``node_index``.
+
+        Example:
+            >>> plan = plan_graph([NodeInfo("a", ("w",), 1), NodeInfo("b", (), 2)], {"w": 4})
+            >>> plan.segment_of(1)
+            0
+        """
+        for i, (start, stop) in enumerate(self.segments):
+            if start <= node_index < stop:
+                return i
+        raise IndexError(f"node index {node_index} is outside the plan's {self.segments}")
+
+    def fingerprint(self) -> str:
+        """A short hash identifying this plan; equal on ranks that planned alike.
+
+        Example:
+            >>> plan = plan_graph([NodeInfo("a", ("w",), 1)], {"w": 4})
+            >>> len(plan.fingerprint())
+            16
+        """
+        blob = json.dumps(
+            [self.segments, [(b.segment, b.params, b.nbytes) for b in self.buckets]],
+            sort_keys=True,
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        """A readable table of buckets, segments and parameters.
+
+        Example:
+            >>> print(plan_graph([NodeInfo("a", ("w",), 1)], {"w": 4}).describe())
+            bucket 0 | segment 0 (nodes 0-0) | 4 B | w
+        """
+        lines = []
+        for b in self.buckets:
+            start, stop = self.segments[b.segment]
+            lines.append(
+                f"bucket {b.index} | segment {b.segment} (nodes {start}-{stop - 1}) | "
+                f"{_fmt_bytes(b.nbytes)} | {', '.join(b.params)}"
+            )
+        return "\n".join(lines)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024 or unit == "MiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def plan_graph(
+    nodes: Sequence[NodeInfo],
+    param_bytes: Mapping[str, int],
+    *,
+    bucket_cap: int = 25 * 1024 * 1024,
+    first_bucket_cap: int = DEFAULT_FIRST_BUCKET_BYTES,
+    owned_elsewhere: Iterable[str] = (),
+) -> Plan:
+    """Plan segments and buckets for one forward graph (see Note [Planning segments and buckets together]).
+
+    Args:
+        nodes: Graph nodes in forward order (placeholders and the output excluded).
+        param_bytes: Gradient bytes of every trainable parameter the graph may read.
+        bucket_cap: Byte cap of every bucket but the first.
+        first_bucket_cap: Byte cap of the first bucket in gradient order.
+        owned_elsewhere: Parameters bucketed by an earlier graph of the step.
+
+    Example:
+        >>> nodes = [NodeInfo("l1", ("w1",), 1), NodeInfo("l2", ("w2",), 2)]
+        >>> plan = plan_graph(nodes, {"w1": 8, "w2": 8}, bucket_cap=8, first_bucket_cap=8)
+        >>> plan.segments, [b.params for b in plan.buckets]
+        (((0, 1), (1, 2)), [('w2',), ('w1',)])
+    """
+    if bucket_cap <= 0 or first_bucket_cap <= 0:
+        raise ValueError(f"bucket caps must be positive, got {bucket_cap=} {first_bucket_cap=}")
+    foreign_set = set(owned_elsewhere)
+    first_use: dict[str, int] = {}
+    uses: dict[str, int] = {}
+    foreign: list[str] = []
+    for i, node in enumerate(nodes):
+        for p in node.params:
+            if p not in param_bytes:
+                raise KeyError(f"node {node.name!r} reads parameter {p!r} missing from param_bytes")
+            uses[p] = uses.get(p, 0) + 1
+            if p in foreign_set:
+                if p not in foreign:
+                    foreign.append(p)
+            elif p not in first_use:
+                first_use[p] = i
+    firsts_at: dict[int, list[str]] = {}
+    for p, i in first_use.items():
+        firsts_at.setdefault(i, []).append(p)
+
+    # Walk in gradient order; `cuts` collects segment starts.
+    n = len(nodes)
+    cuts: list[int] = []
+    seg_end = n
+    seg_bytes = 0
+    has_external_output = False
+    for i in range(n - 1, -1, -1):
+        cap = first_bucket_cap if not cuts else bucket_cap
+        if seg_bytes >= cap and has_external_output:
+            cuts.append(i + 1)
+            seg_end = i + 1
+            seg_bytes = 0
+            has_external_output = False
+        seg_bytes += sum(param_bytes[p] for p in firsts_at.get(i, ()))
+        if nodes[i].last_user >= seg_end:
+            has_external_output = True
+    starts = sorted([0, *cuts])
+    if len(starts) > 1:
+        first_stop = starts[1]
+        if not any(first_use[p] < first_stop for p in first_use):
+            starts.pop(1)  # a parameter-free preamble joins the next segment
+    bounds = tuple(zip(starts, [*starts[1:], n])) if n else ((0, 0),)
+
+    def segment_of(i: int) -> int:
+        return max(k for k, (start, _) in enumerate(bounds) if start <= i)
+
+    per_segment: dict[int, list[str]] = {}
+    for p, i in sorted(first_use.items(), key=lambda kv: (-kv[1], kv[0])):
+        per_segment.setdefault(segment_of(i), []).append(p)
+    buckets = []
+    for seg in sorted(per_segment, reverse=True):
+        params = tuple(per_segment[seg])
+        buckets.append(Bucket(len(buckets), seg, params, sum(param_bytes[p] for p in params)))
+    return Plan(
+        segments=bounds,
+        buckets=tuple(buckets),
+        first_use=dict(first_use),
+        shared={p: c for p, c in uses.items() if c > 1},
+        foreign=tuple(foreign),
+        unused=tuple(p for p in param_bytes if p not in uses),
+    )

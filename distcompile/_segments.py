@@ -1,0 +1,92 @@
+"""Split a captured graph at segment boundaries and compile each piece.
+
+Each piece is compiled on its own by the inner backend, so under AOTAutograd it becomes
+its own autograd node and its backward finishes before the previous piece's starts:
+that is what lets a bucket's all-reduce begin early.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import fx
+from torch.fx.passes.split_module import split_module
+
+from ._capture import CapturedGraph
+from ._planning import Plan
+
+__all__ = ["inner_compiler", "split_and_compile"]
+
+log = logging.getLogger(__name__)
+
+CompilerFn = Callable[[fx.GraphModule, list], Callable]
+
+
+def inner_compiler(backend: str, *, mode: str | None, cudagraphs: bool, dynamic: bool | None) -> CompilerFn:
+    """Return the TorchDynamo compiler function that compiles one segment.
+
+    Example:
+        >>> fn = inner_compiler("aot_eager", mode=None, cudagraphs=False, dynamic=None)
+        >>> callable(fn)
+        True
+    """
+    if backend != "inductor":
+        return torch._dynamo.lookup_backend(backend)
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = dict(list_mode_options(mode, dynamic)) if mode else {}
+    # The mode presets may switch CUDA graphs on (reduce-overhead); our option decides.
+    patches["triton.cudagraphs"] = cudagraphs
+    return functools.partial(compile_fx, config_patches=patches)
+
+
+def _propagate_metadata(gm: fx.GraphModule, split_gm: fx.GraphModule) -> None:
+    # AOTAutograd and Inductor read Dynamo's graph metadata and each placeholder's
+    # source (for parameter detection and guards) from the module they compile.
+    sources = {n.name: getattr(n, "_dynamo_source", None) for n in gm.graph.find_nodes(op="placeholder")}
+    for name in split_gm.meta["partition_names"]:
+        sub = getattr(split_gm, name)
+        sub.meta = gm.meta
+        if hasattr(gm, "_param_name_to_source"):
+            sub._param_name_to_source = gm._param_name_to_source
+        for node in sub.graph.find_nodes(op="placeholder"):
+            node._dynamo_source = sources.get(node.name)
+
+
+def split_and_compile(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[object],
+    *,
+    captured: CapturedGraph,
+    plan: Plan,
+    compiler: CompilerFn,
+) -> Callable:
+    """Compile ``gm`` as ``len(plan.segments)`` separately compiled pieces.
+
+    Returns a callable with the calling convention TorchDynamo expects from a backend.
+
+    Example:
+        >>> # used by distcompile's TorchDynamo backend; see distcompile.wrap
+    """
+    if len(plan.segments) == 1:
+        return compiler(gm, list(example_inputs))
+    segment = {node: plan.segment_of(i) for i, node in enumerate(captured.body)}
+    split_gm = split_module(gm, None, lambda node: segment.get(node, 0), keep_original_order=True)
+    _propagate_metadata(gm, split_gm)
+    fake_mode = torch._guards.detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode()
+    # Compiling the pieces is the same job PyTorch's DDPOptimizer does after choosing
+    # its own splits: run the split module under fake tensors, compile each piece with
+    # the inputs it sees, and keep AOTAutograd's per-piece metadata in the tracing
+    # context (needed by Inductor's lazily compiled backward). We reuse that
+    # interpreter rather than re-implement those internals; the splits are ours.
+    from torch._dynamo.backends.distributed import SubmodCompiler
+
+    with torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing():
+        SubmodCompiler(split_gm, compiler, fake_mode).run(*example_inputs)
+    split_gm.recompile()
+    log.debug("split graph:\n%s", split_gm.graph)
+    return split_gm

@@ -1,0 +1,323 @@
+"""``distcompile.wrap``: compile a data-parallel model with bucket-aligned segments."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ._agreement import check_agreement, default_store
+from ._capture import read_graph
+from ._comm import BucketReducer, StepStats
+from ._config import Config
+from ._errors import ConfigError, UnsupportedModelError
+from ._planning import DEFAULT_FIRST_BUCKET_BYTES, Plan, plan_graph
+from ._segments import inner_compiler, split_and_compile
+
+__all__ = ["wrap", "DistCompiledModule", "GraphRecord"]
+
+log = logging.getLogger(__name__)
+
+_MB = 1024 * 1024
+_DDP_DEFAULT_CAP_MB = 25
+_BUFFER_BROADCAST_BYTES = 250 * _MB  # DDP's broadcast_bucket_size
+_wrap_ids = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class GraphRecord:
+    """One graph TorchDynamo captured and distcompile compiled.
+
+    Attributes:
+        graph_id: Order of capture within this wrapped model.
+        plan: Its segments and buckets.
+        compile_s: Seconds spent planning, checking and compiling it on this rank.
+        num_nodes: Partitionable nodes in the graph.
+    """
+
+    graph_id: int
+    plan: Plan
+    compile_s: float
+    num_nodes: int
+
+
+@dataclass(frozen=True, slots=True)
+class _DDPSettings:
+    group: dist.ProcessGroup | None
+    bucket_cap: int
+    first_bucket_cap: int
+    broadcast_buffers: bool
+    grad_as_view: bool
+    compression: str | None
+    ignored: frozenset[str]
+    device: torch.device | None
+
+
+_HOOK_COMPRESSION = {
+    "fp16_compress_hook": "fp16",
+    "bf16_compress_hook": "bf16",
+    "BuiltinCommHookType.FP16_COMPRESS": "fp16",
+    "allreduce_hook": None,
+    "BuiltinCommHookType.ALLREDUCE": None,
+}
+
+
+def _ddp_hook_compression(ddp: DDP) -> str | None:
+    names = [getattr(h, "__qualname__", repr(h)) for h, _ in getattr(ddp, "_comm_hooks", [])]
+    if not names:  # built-in (C++) hooks are only visible in DDP's logging data
+        builtin = ddp._get_ddp_logging_data().get("comm_hook", "")
+        names = [builtin] if builtin else []
+    for name in names:
+        if name not in _HOOK_COMPRESSION:
+            raise UnsupportedModelError(
+                f"the DDP model has communication hook {name!r} registered; distcompile reduces "
+                "gradients itself and supports only DDP's built-in allreduce, fp16 and bf16 "
+                "compression hooks. Remove the hook (build the DDP without register_comm_hook) "
+                "or pass compression='fp16'/'bf16' to distcompile.wrap."
+            )
+    return next((_HOOK_COMPRESSION[n] for n in names if _HOOK_COMPRESSION[n]), None)
+
+
+def _settings(model: nn.Module, cfg: Config) -> tuple[nn.Module, _DDPSettings]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise UnsupportedModelError(
+            "distcompile.wrap needs an initialized default process group, found none. "
+            "Call torch.distributed.init_process_group() first (torchrun sets the environment), "
+            "then build DistributedDataParallel(model) and wrap it."
+        )
+    if isinstance(model, DDP):
+        if getattr(model, "mixed_precision", None) is not None:
+            raise UnsupportedModelError(
+                f"DDP mixed_precision={model.mixed_precision!r} is not supported. Use "
+                "torch.autocast in the training loop and compression='bf16' instead."
+            )
+        group = model.process_group
+        cap = cfg.bucket_cap_mb
+        cap_bytes = int(cap * _MB) if cap is not None else int(model.bucket_bytes_cap)
+        default_cap = cap is None and bool(getattr(model, "bucket_bytes_cap_default", True))
+        hook_comp = _ddp_hook_compression(model)
+        settings = _DDPSettings(
+            group=group,
+            bucket_cap=cap_bytes,
+            first_bucket_cap=_first_cap(cfg, cap_bytes, default_cap),
+            broadcast_buffers=_pick(cfg.broadcast_buffers, model.broadcast_buffers),
+            grad_as_view=_pick(cfg.gradient_as_bucket_view, model.gradient_as_bucket_view),
+            compression=cfg.compression or hook_comp,
+            ignored=frozenset(getattr(model, "parameters_to_ignore", ())),
+            device=torch.device(model.device_type, model.device_ids[0]) if model.device_ids else None,
+        )
+        return model.module, settings
+    if isinstance(model, nn.Module):
+        cap_bytes = int((cfg.bucket_cap_mb or _DDP_DEFAULT_CAP_MB) * _MB)
+        settings = _DDPSettings(
+            group=None,
+            bucket_cap=cap_bytes,
+            first_bucket_cap=_first_cap(cfg, cap_bytes, cfg.bucket_cap_mb is None),
+            broadcast_buffers=_pick(cfg.broadcast_buffers, True),
+            grad_as_view=_pick(cfg.gradient_as_bucket_view, False),
+            compression=cfg.compression,
+            ignored=frozenset(getattr(model, "_ddp_params_and_buffers_to_ignore", ())),
+            device=None,
+        )
+        return model, settings
+    raise UnsupportedModelError(
+        f"distcompile.wrap expects a torch.nn.Module or DistributedDataParallel, got "
+        f"{type(model).__name__}. Pass your model object (e.g. DDP(MyModel()))."
+    )
+
+
+def _pick(option: bool | None, inherited: bool) -> bool:
+    return inherited if option is None else option
+
+
+def _first_cap(cfg: Config, cap_bytes: int, default_cap: bool) -> int:
+    if cfg.first_bucket_cap_mb is not None:
+        return min(int(cfg.first_bucket_cap_mb * _MB), cap_bytes)
+    return min(DEFAULT_FIRST_BUCKET_BYTES, cap_bytes) if default_cap else cap_bytes
+
+
+class DistCompiledModule(nn.Module):
+    """A model compiled by :func:`distcompile.wrap`; use it as you would the DDP model.
+
+    ``state_dict()`` keys carry the ``module.`` prefix, as DDP's do.
+
+    Attributes:
+        module: The wrapped (inner) model.
+        config: The effective options.
+        graphs: One :class:`GraphRecord` per captured graph, in capture order.
+    """
+
+    def __init__(self, module: nn.Module, *, config: Config, settings: _DDPSettings, source: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.graphs: list[GraphRecord] = []
+        self._settings = settings
+        self._source = [source]  # keep the DDP object (and its inert reducer) alive, unregistered
+        self._sync = True
+        self._require_forward_param_sync = True
+        self._wrap_id = next(_wrap_ids)
+        self._graph_ids = itertools.count()
+        self._rank = dist.get_rank()
+        self._ranks = dist.get_process_group_ranks(settings.group or dist.group.WORLD)
+        params = {
+            n: p for n, p in module.named_parameters() if p.requires_grad and n not in settings.ignored
+        }
+        self._names_by_id = {id(p): n for n, p in params.items()}
+        self._buffers_list = [b for n, b in module.named_buffers() if n not in settings.ignored]
+        self._reducer = BucketReducer(
+            params,
+            group=settings.group,
+            compression=settings.compression,
+            grad_as_view=settings.grad_as_view,
+        )
+        self._compiler = inner_compiler(
+            config.backend, mode=config.mode, cudagraphs=config.cudagraphs, dynamic=config.dynamic
+        )
+        compiled = torch.compile(
+            module, backend=self._compile_graph, fullgraph=config.fullgraph, dynamic=config.dynamic
+        )
+        object.__setattr__(self, "_compiled", compiled)  # not a registered submodule
+
+    # -- the TorchDynamo backend -------------------------------------------------------
+    def _compile_graph(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        t0 = time.perf_counter()
+        graph_id = next(self._graph_ids)
+        s = self._settings
+        captured = read_graph(gm, example_inputs, self._names_by_id)
+        param_bytes = {n: p.numel() * p.element_size() for n, p in captured.params.items()}
+        plan = plan_graph(
+            captured.nodes,
+            param_bytes,
+            bucket_cap=s.bucket_cap,
+            first_bucket_cap=s.first_bucket_cap,
+            owned_elsewhere=self._reducer.claimed(),
+        )
+        shapes = [
+            tuple(str(d) for d in x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            for x in example_inputs
+        ]
+        summary = f"inputs: {shapes}\n{gm.code.strip()}\nplan:\n{plan.describe()}"
+        check_agreement(
+            default_store(),
+            f"distcompile/wrap{self._wrap_id}/graph{graph_id}",
+            summary,
+            rank=self._rank,
+            ranks=self._ranks,
+            timeout_s=self.config.desync_timeout_s,
+            what=f"graph {graph_id}",
+        )
+        compiled = split_and_compile(gm, example_inputs, captured=captured, plan=plan, compiler=self._compiler)
+        self._reducer.add_graph(graph_id, [b.params for b in plan.buckets])
+        record = GraphRecord(graph_id, plan, time.perf_counter() - t0, len(captured.nodes))
+        self.graphs.append(record)
+        log.info(
+            "graph %d: %d nodes -> %d segments, %d buckets, compiled in %.2f s",
+            graph_id, record.num_nodes, len(plan.segments), len(plan.buckets), record.compile_s,
+        )
+        return _recording(compiled, self._reducer, graph_id)
+
+    # -- running -----------------------------------------------------------------------
+    def forward(self, *args: object, **kwargs: object) -> object:
+        """Run the compiled model; a later ``backward()`` averages gradients across ranks."""
+        s = self._settings
+        if s.broadcast_buffers and self._require_forward_param_sync and self._buffers_list:
+            with torch.no_grad():
+                dist._broadcast_coalesced(s.group or dist.group.WORLD, self._buffers_list,
+                                          _BUFFER_BROADCAST_BYTES, self._ranks[0])
+        sync = torch.is_grad_enabled() and self._sync
+        self._require_forward_param_sync = sync
+        if sync:
+            self._reducer.begin_forward()
+        if s.device is not None:
+            args, kwargs = torch.utils._pytree.tree_map_only(
+                torch.Tensor, lambda t: t.to(s.device, non_blocking=True), (args, kwargs)
+            )
+        return self._compiled(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient synchronization for forwards (and their backwards) in this context.
+
+        Example:
+            >>> # with model.no_sync():
+            >>> #     model(x1).sum().backward()      # accumulates locally
+            >>> # model(x2).sum().backward()          # synchronizes the sum
+        """
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    @property
+    def last_step(self) -> StepStats:
+        """Communication statistics of the last synchronized step on this rank."""
+        return self._reducer.last_step
+
+
+def _recording(compiled: Callable, reducer: BucketReducer, graph_id: int) -> Callable:
+    if getattr(compiled, "_boxed_call", False):
+        def run_boxed(args: list) -> object:
+            if torch.is_grad_enabled():
+                reducer.record_graph(graph_id)
+            return compiled(args)
+
+        run_boxed._boxed_call = True  # type: ignore[attr-defined]
+        return run_boxed
+
+    def run(*args: object) -> object:
+        if torch.is_grad_enabled():
+            reducer.record_graph(graph_id)
+        return compiled(*args)
+
+    return run
+
+
+def wrap(model: nn.Module, config: Config | None = None, **options: object) -> DistCompiledModule:
+    """Compile a data-parallel model so each gradient bucket's all-reduce overlaps backward.
+
+    ``model`` is a ``DistributedDataParallel`` model (its process group, bucket cap,
+    ``broadcast_buffers``, ``gradient_as_bucket_view`` and fp16/bf16 comm hook are
+    honoured) or a plain module when a default process group is initialized (its
+    parameters and buffers are then broadcast from rank 0, as DDP does).
+
+    Args:
+        model: The DDP model, or a plain ``nn.Module``.
+        config: Options; see :class:`distcompile.Config`.
+        **options: Any ``Config`` field, overriding ``config``.
+
+    Returns:
+        A module to train exactly like the DDP model (``no_sync()`` included).
+
+    Example:
+        >>> # torch.distributed.init_process_group("gloo")
+        >>> # model = distcompile.wrap(DDP(MyModel()), backend="inductor")
+        >>> # loss = loss_fn(model(x), y); loss.backward(); opt.step()
+    """
+    cfg = config or Config()
+    if options:
+        cfg = cfg.replace(**options)
+    inner, settings = _settings(model, cfg)
+    params = [p for p in inner.parameters()]
+    if cfg.cudagraphs and not (params and all(p.is_cuda for p in params)):
+        device = params[0].device if params else "no parameters"
+        raise ConfigError(
+            f"cudagraphs=True needs a model on CUDA, but its parameters are on {device}. "
+            "CUDA graphs record GPU kernels only; drop cudagraphs=True on this machine."
+        )
+    if not isinstance(model, DDP):
+        group = dist.group.WORLD
+        dist._verify_params_across_processes(group, params)
+        states = [p.detach() for p in params] + [b.detach() for b in inner.buffers()]
+        if states:
+            dist._broadcast_coalesced(group, states, _BUFFER_BROADCAST_BYTES, 0)
+    return DistCompiledModule(inner, config=cfg, settings=settings, source=model)
