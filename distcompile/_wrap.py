@@ -265,15 +265,7 @@ class DistCompiledModule(nn.Module):
 
 
 def _recording(compiled: Callable, reducer: BucketReducer, graph_id: int) -> Callable:
-    if getattr(compiled, "_boxed_call", False):
-        def run_boxed(args: list) -> object:
-            if torch.is_grad_enabled():
-                reducer.record_graph(graph_id)
-            return compiled(args)
-
-        run_boxed._boxed_call = True  # type: ignore[attr-defined]
-        return run_boxed
-
+    # TorchDynamo calls a backend's result with positional tensors (never boxed).
     def run(*args: object) -> object:
         if torch.is_grad_enabled():
             reducer.record_graph(graph_id)

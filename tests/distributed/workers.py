@@ -1,0 +1,158 @@
+"""Functions run on every rank by the distributed tests (module level so spawn can import them)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distcompile
+from tests.models import BUILDERS, batch, loss_fn
+
+
+def _bf16_reference_hook(state, bucket):  # noqa: ANN001 - DDP inspects a real annotation; leave none
+    # DDP's own bf16 hook refuses to register without NCCL; this is the same
+    # arithmetic as distcompile's (average in fp32, cast, all-reduce, cast back).
+    buf = bucket.buffer()
+    wire = buf.div(dist.get_world_size()).to(torch.bfloat16)
+    fut = dist.all_reduce(wire, async_op=True).get_future()
+
+    def back(f: torch.futures.Future) -> torch.Tensor:
+        buf.copy_(f.value()[0])
+        return buf
+
+    return fut.then(back)
+
+
+def parity(rank: int, world: int, model_name: str, backend: str, case: str = "plain", steps: int = 4) -> dict:
+    """Train eager DDP and distcompile side by side; return per-step losses and final params."""
+    torch.manual_seed(0)
+    base = BUILDERS[model_name]()
+    ddp_kwargs: dict = {"bucket_cap_mb": 0.05}
+    if model_name == "unused":
+        ddp_kwargs["find_unused_parameters"] = True
+    if case == "grad_as_view":
+        ddp_kwargs["gradient_as_bucket_view"] = True
+    ref = DDP(copy.deepcopy(base), **ddp_kwargs)
+    ours_ddp = DDP(copy.deepcopy(base), **ddp_kwargs)
+    wrap_kwargs: dict = {"backend": backend}
+    if case == "bf16":
+        ref.register_comm_hook(None, _bf16_reference_hook)
+        wrap_kwargs["compression"] = "bf16"
+    if case == "fp16_hook":
+        ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        ours_ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    ours = distcompile.wrap(ours_ddp, **wrap_kwargs)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt_ours = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9)
+    micro = 3 if case == "no_sync" else 1
+    losses: list[tuple[float, float]] = []
+    for step in range(steps):
+        for model, opt, slot in ((ref, opt_ref, 0), (ours, opt_ours, 1)):
+            total = 0.0
+            for m in range(micro):
+                x, y = batch(model_name, rank, step * micro + m)
+                ctx = model.no_sync() if m < micro - 1 else _null()
+                amp = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else _null()
+                with ctx, amp:
+                    loss = loss_fn(model_name, model(x), y)
+                    loss.backward()
+                total += loss.item()
+            if slot == 0:
+                losses.append((total, float("nan")))
+            else:
+                losses[-1] = (losses[-1][0], total)
+            opt.step()
+            opt.zero_grad(set_to_none=(case != "grad_as_view"))
+    result = {
+        "losses": losses,
+        "ref_params": [p.detach().clone() for p in ref.module.parameters()],
+        "params": [p.detach().clone() for p in ours.module.parameters()],
+        "ref_buffers": [b.clone() for b in ref.module.buffers()],
+        "buffers": [b.clone() for b in ours.module.buffers()],
+        "graphs": len(ours.graphs),
+        "segments": [len(g.plan.segments) for g in ours.graphs],
+        "last_step_buckets": ours.last_step.buckets,
+        "ddp_reducer_buckets_used": ref.module is not ours.module,
+    }
+    if model_name == "convbn":  # eval forward under no_grad: no collective, BN running stats used
+        ref.eval()
+        ours.eval()
+        x, _ = batch(model_name, rank, 99)
+        with torch.no_grad():
+            result["eval"] = (ref(x), ours(x))
+    return result
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def desync_shapes(rank: int, world: int) -> str:
+    """Rank 0 feeds a different batch size: every rank must get a DesyncError, not hang."""
+    torch.manual_seed(0)
+    model = distcompile.wrap(DDP(BUILDERS["mlp_seq"]()), backend="eager", desync_timeout_s=20)
+    x = torch.randn(8 if rank == 0 else 4, 64)
+    try:
+        model(x).sum().backward()
+    except distcompile.DesyncError as e:
+        return str(e)
+    return "no error"
+
+
+def desync_missing(rank: int, world: int) -> str:
+    """Rank 1 never runs forward: rank 0 must give up within desync_timeout_s."""
+    import time
+
+    torch.manual_seed(0)
+    model = distcompile.wrap(DDP(BUILDERS["mlp_seq"]()), backend="eager", desync_timeout_s=3)
+    if rank == 1:
+        return "skipped"
+    t0 = time.monotonic()
+    try:
+        model(torch.randn(4, 64))
+    except distcompile.DesyncError as e:
+        return f"{time.monotonic() - t0:.1f}s {e}"
+    return "no error"
+
+
+def plain_module(rank: int, world: int) -> dict:
+    """A plain module (no DDP) is broadcast from rank 0 and trains in sync."""
+    torch.manual_seed(rank)  # different init on purpose: wrap must broadcast rank 0's
+    model = distcompile.wrap(BUILDERS["mlp_seq"](), backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = batch("mlp_seq", rank, step)
+        loss_fn("mlp_seq", model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"params": [p.detach().clone() for p in model.parameters()]}
+
+
+def no_grad_forward(rank: int, world: int) -> dict:
+    """Eval/no-grad forwards open no step and issue no all-reduce."""
+    model = distcompile.wrap(DDP(BUILDERS["mlp_seq"]()), backend="eager")
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(4, 64))
+    opened = model._reducer.step_open
+    x, y = batch("mlp_seq", rank, 0)
+    loss_fn("mlp_seq", model(x), y).backward()
+    return {"opened_by_no_grad": opened, "buckets": model.last_step.buckets}
+
+
+def custom_hook(rank: int, world: int) -> str:
+    ddp = DDP(BUILDERS["mlp_seq"]())
+    ddp.register_comm_hook(None, _bf16_reference_hook)
+    try:
+        distcompile.wrap(ddp)
+    except distcompile.UnsupportedModelError as e:
+        return str(e)
+    return "no error"
