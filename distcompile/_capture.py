@@ -2,7 +2,7 @@
 
 TorchDynamo hands the backend an FX graph whose trainable parameters arrive either as
 placeholders (the default since ``inline_inbuilt_nn_modules``) whose example input is
-the real ``nn.Parameter``, or as ``get_attr`` nodes. Both are mapped back to the
+the real ``nn.Parameter``, as ``get_attr`` nodes, or inside ``call_module`` nodes. Both are mapped back to the
 parameter's qualified name in the wrapped module, so names match on every rank.
 """
 
@@ -86,6 +86,12 @@ def read_graph(
             name = param_of.get(arg)
             if name is not None and name not in reads:
                 reads.append(name)
+        if node.op == "call_module":  # a submodule kept whole: it reads its own parameters
+            for p in gm.get_submodule(str(node.target)).parameters():
+                name = names_by_id.get(id(p))
+                if name is not None and p.requires_grad and name not in reads:
+                    reads.append(name)
+                    params[name] = p
         last_user = max(
             (len(body) if u.op == "output" else index.get(u, -1) for u in node.users),
             default=-1,

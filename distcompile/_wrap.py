@@ -18,7 +18,7 @@ from ._agreement import check_agreement, default_store
 from ._capture import read_graph
 from ._comm import BucketReducer, StepStats
 from ._config import Config
-from ._errors import ConfigError, UnsupportedModelError
+from ._errors import ConfigError, DistCompileError, UnsupportedModelError
 from ._planning import DEFAULT_FIRST_BUCKET_BYTES, Plan, plan_graph
 from ._segments import inner_compiler, split_and_compile
 
@@ -87,6 +87,16 @@ def _ddp_hook_compression(ddp: DDP) -> str | None:
 
 
 def _settings(model: nn.Module, cfg: Config) -> tuple[nn.Module, _DDPSettings]:
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(
+            f"distcompile.wrap expects a torch.nn.Module or DistributedDataParallel, got "
+            f"{type(model).__name__}. Pass your model object (e.g. DDP(MyModel()))."
+        )
+    if isinstance(model, (DistCompiledModule, torch._dynamo.eval_frame.OptimizedModule)):
+        raise UnsupportedModelError(
+            f"got an already compiled model ({type(model).__name__}); distcompile compiles the "
+            "model itself. Pass the uncompiled DDP model (drop torch.compile / the earlier wrap)."
+        )
     if not dist.is_available() or not dist.is_initialized():
         raise UnsupportedModelError(
             "distcompile.wrap needs an initialized default process group, found none. "
@@ -115,23 +125,18 @@ def _settings(model: nn.Module, cfg: Config) -> tuple[nn.Module, _DDPSettings]:
             device=torch.device(model.device_type, model.device_ids[0]) if model.device_ids else None,
         )
         return model.module, settings
-    if isinstance(model, nn.Module):
-        cap_bytes = int((cfg.bucket_cap_mb or _DDP_DEFAULT_CAP_MB) * _MB)
-        settings = _DDPSettings(
-            group=None,
-            bucket_cap=cap_bytes,
-            first_bucket_cap=_first_cap(cfg, cap_bytes, cfg.bucket_cap_mb is None),
-            broadcast_buffers=_pick(cfg.broadcast_buffers, True),
-            grad_as_view=_pick(cfg.gradient_as_bucket_view, False),
-            compression=cfg.compression,
-            ignored=frozenset(getattr(model, "_ddp_params_and_buffers_to_ignore", ())),
-            device=None,
-        )
-        return model, settings
-    raise UnsupportedModelError(
-        f"distcompile.wrap expects a torch.nn.Module or DistributedDataParallel, got "
-        f"{type(model).__name__}. Pass your model object (e.g. DDP(MyModel()))."
+    cap_bytes = int((cfg.bucket_cap_mb or _DDP_DEFAULT_CAP_MB) * _MB)
+    settings = _DDPSettings(
+        group=None,
+        bucket_cap=cap_bytes,
+        first_bucket_cap=_first_cap(cfg, cap_bytes, cfg.bucket_cap_mb is None),
+        broadcast_buffers=_pick(cfg.broadcast_buffers, True),
+        grad_as_view=_pick(cfg.gradient_as_bucket_view, False),
+        compression=cfg.compression,
+        ignored=frozenset(getattr(model, "_ddp_params_and_buffers_to_ignore", ())),
+        device=None,
     )
+    return model, settings
 
 
 def _pick(option: bool | None, inherited: bool) -> bool:
@@ -241,7 +246,15 @@ class DistCompiledModule(nn.Module):
             args, kwargs = torch.utils._pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(s.device, non_blocking=True), (args, kwargs)
             )
-        return self._compiled(*args, **kwargs)
+        try:
+            return self._compiled(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            # Our own errors raised while planning inside the backend arrive wrapped by
+            # TorchDynamo; show the user the distcompile error itself.
+            inner = getattr(exc, "inner_exception", None)
+            if isinstance(inner, DistCompileError):
+                raise inner.with_traceback(None) from None
+            raise
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

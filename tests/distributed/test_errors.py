@@ -1,0 +1,25 @@
+"""Errors that need several ranks: a disagreeing or missing rank raises instead of hanging."""
+
+from __future__ import annotations
+
+from tests.distributed import workers
+from tests.harness import run_ranks
+
+
+def test_custom_comm_hook_rejected() -> None:
+    for msg in run_ranks(workers.custom_hook, 2):
+        assert "communication hook '_bf16_reference_hook'" in msg
+        assert "compression=" in msg
+
+
+def test_desync_on_different_shapes_raises_on_every_rank() -> None:
+    for rank, msg in enumerate(run_ranks(workers.desync_shapes, 2, timeout=120)):
+        assert "graph 0 differs between rank" in msg, (rank, msg)
+        assert "8" in msg and "4" in msg  # the differing batch sizes are shown
+
+
+def test_desync_missing_rank_times_out_with_a_clear_error() -> None:
+    msg = run_ranks(workers.desync_missing, 2, timeout=120)[0]
+    assert "rank(s) [1] did not compile graph 0 within 3 s" in msg
+    seconds = float(msg.split("s ", 1)[0])
+    assert seconds < 30, msg

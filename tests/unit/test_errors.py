@@ -1,0 +1,63 @@
+"""Bad input to wrap gives a clear, typed error that names the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distcompile
+from distcompile import Config, ConfigError, UnsupportedModelError
+
+
+@pytest.fixture
+def single_rank_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_not_a_module() -> None:
+    with pytest.raises(UnsupportedModelError, match="expects a torch.nn.Module.*got function"):
+        distcompile.wrap(lambda x: x)
+
+
+def test_no_process_group() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(UnsupportedModelError, match="init_process_group"):
+        distcompile.wrap(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"backend": "tvm"}, "backend='tvm' is not one of"),
+        ({"compression": "int8"}, "compression='int8' is not supported"),
+        ({"bucket_cap_mb": 0}, "bucket_cap_mb=0 must be a positive"),
+        ({"desync_timeout_s": -1}, "desync_timeout_s=-1"),
+        ({"cudagraphs": True, "backend": "eager"}, "cudagraphs=True needs backend='inductor'"),
+    ],
+)
+def test_bad_config(options: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        Config(**options)
+
+
+def test_unknown_option(single_rank_group) -> None:
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['bucket_size'\]"):
+        distcompile.wrap(nn.Linear(2, 2), bucket_size=3)
+
+
+def test_cudagraphs_on_cpu(single_rank_group) -> None:
+    with pytest.raises(ConfigError, match="cudagraphs=True needs a model on CUDA.*cpu"):
+        distcompile.wrap(DDP(nn.Linear(2, 2)), cudagraphs=True)
+
+
+def test_already_compiled(single_rank_group) -> None:
+    with pytest.raises(UnsupportedModelError, match="already compiled"):
+        distcompile.wrap(torch.compile(DDP(nn.Linear(2, 2))))
+    wrapped = distcompile.wrap(DDP(nn.Linear(2, 2)), backend="eager")
+    with pytest.raises(UnsupportedModelError, match="already compiled"):
+        distcompile.wrap(wrapped)
