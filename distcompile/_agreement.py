@@ -69,7 +69,12 @@ def check_agreement(
             diff = "\n".join(
                 list(
                     difflib.unified_diff(
-                        summary.splitlines(), other.splitlines(), f"rank {rank}", f"rank {r}", lineterm="", n=1
+                        summary.splitlines(),
+                        other.splitlines(),
+                        f"rank {rank}",
+                        f"rank {r}",
+                        lineterm="",
+                        n=1,
                     )
                 )[:40]
             )

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -78,7 +78,9 @@ class _FlatBucket:
         total = self.numel + len(self.params)
         self.buffer = torch.zeros(total, dtype=dtype, device=device)
         wire = _COMPRESSED[compression]
-        self.wire = self.buffer if wire is None or wire == dtype else torch.zeros(total, dtype=wire, device=device)
+        self.wire = (
+            self.buffer if wire is None or wire == dtype else torch.zeros(total, dtype=wire, device=device)
+        )
         self.grad_as_view = grad_as_view
         self.views = [self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
         self.wire_views = (
@@ -147,12 +149,16 @@ class StepStats:
     """Timings of one synchronized step, in milliseconds.
 
     Attributes:
+        step: Index of this synchronized step (0 for the first).
+        fwd_bwd_ms: From the first forward of the step to the end of ``backward()``.
         buckets: Number of buckets all-reduced.
         bytes: Bytes all-reduced (payload plus flags).
         exposed_comm_ms: Time ``backward()`` spent waiting for communication at its end.
         launch_ms: For each bucket, launch time after the first gradient became ready.
     """
 
+    step: int = -1
+    fwd_bwd_ms: float = 0.0
     buckets: int = 0
     bytes: int = 0
     exposed_comm_ms: float = 0.0
@@ -164,7 +170,7 @@ class _Step:
         self.graphs: list[int] = []
         self.order: list[_FlatBucket] | None = None
         self.cursor = 0
-        self.ready: set[int] = set()
+        self.forward_at = time.perf_counter()
         self.started = 0.0
 
 
@@ -183,8 +189,11 @@ class BucketReducer:
         group: dist.ProcessGroup | None,
         compression: str | None,
         grad_as_view: bool,
+        on_step: Callable[[StepStats], None] | None = None,
     ) -> None:
         self.params = dict(params)
+        self.on_step = on_step
+        self.steps = 0
         self.group = group
         self.compression = compression
         self.grad_as_view = grad_as_view
@@ -253,7 +262,9 @@ class BucketReducer:
                 by_dtype.setdefault((p.dtype, p.device), []).append((n, p))
             for members in by_dtype.values():
                 order.append(
-                    _FlatBucket(len(order), members, compression=self.compression, grad_as_view=self.grad_as_view)
+                    _FlatBucket(
+                        len(order), members, compression=self.compression, grad_as_view=self.grad_as_view
+                    )
                 )
         self._schedules[graphs] = order
         log.debug(
@@ -268,8 +279,10 @@ class BucketReducer:
         if step is None:
             if not self._warned_unsynced:
                 self._warned_unsynced = True
-                log.debug("gradient of %s accumulated outside a synchronized step (no_sync?)",
-                          self._name_of.get(id(param)))
+                log.debug(
+                    "gradient of %s accumulated outside a synchronized step (no_sync?)",
+                    self._name_of.get(id(param)),
+                )
             return
         if step.order is None:
             step.order = self._schedule(tuple(step.graphs))
@@ -304,11 +317,16 @@ class BucketReducer:
             bucket.finish()
         t1 = time.perf_counter()
         self.last_step = StepStats(
+            step=self.steps,
+            fwd_bwd_ms=(t1 - step.forward_at) * 1e3,
             buckets=len(step.order),
             bytes=sum(b.nbytes for b in step.order),
             exposed_comm_ms=(t1 - t0) * 1e3,
             launch_ms=[(b.launched_at - step.started) * 1e3 for b in step.order],
         )
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step(self.last_step)
 
     def abandon_step(self) -> None:
         """Forget an open step whose backward never ran (e.g. forward under grad, no backward)."""

@@ -77,9 +77,7 @@ class Config:
         if not self.desync_timeout_s > 0:
             raise ConfigError(f"desync_timeout_s={self.desync_timeout_s!r} must be > 0 seconds.")
         if self.cudagraphs and self.backend != "inductor":
-            raise ConfigError(
-                f"cudagraphs=True needs backend='inductor', got backend={self.backend!r}."
-            )
+            raise ConfigError(f"cudagraphs=True needs backend='inductor', got backend={self.backend!r}.")
 
     def replace(self, **changes: object) -> Config:
         """Return a copy with ``changes`` applied (and validated).
@@ -91,7 +89,5 @@ class Config:
         fields = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(changes) - fields)
         if unknown:
-            raise ConfigError(
-                f"unknown option(s) {unknown}; valid options are {sorted(fields)}."
-            )
+            raise ConfigError(f"unknown option(s) {unknown}; valid options are {sorted(fields)}.")
         return dataclasses.replace(self, **changes)

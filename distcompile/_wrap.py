@@ -21,6 +21,7 @@ from ._config import Config
 from ._errors import ConfigError, DistCompileError, UnsupportedModelError
 from ._planning import DEFAULT_FIRST_BUCKET_BYTES, Plan, plan_graph
 from ._segments import inner_compiler, split_and_compile
+from ._telemetry import ScalarWriter
 
 __all__ = ["wrap", "DistCompiledModule", "GraphRecord"]
 
@@ -160,7 +161,9 @@ class DistCompiledModule(nn.Module):
         graphs: One :class:`GraphRecord` per captured graph, in capture order.
     """
 
-    def __init__(self, module: nn.Module, *, config: Config, settings: _DDPSettings, source: nn.Module) -> None:
+    def __init__(
+        self, module: nn.Module, *, config: Config, settings: _DDPSettings, source: nn.Module
+    ) -> None:
         super().__init__()
         self.module = module
         self.config = config
@@ -173,16 +176,16 @@ class DistCompiledModule(nn.Module):
         self._graph_ids = itertools.count()
         self._rank = dist.get_rank()
         self._ranks = dist.get_process_group_ranks(settings.group or dist.group.WORLD)
-        params = {
-            n: p for n, p in module.named_parameters() if p.requires_grad and n not in settings.ignored
-        }
+        params = {n: p for n, p in module.named_parameters() if p.requires_grad and n not in settings.ignored}
         self._names_by_id = {id(p): n for n, p in params.items()}
         self._buffers_list = [b for n, b in module.named_buffers() if n not in settings.ignored]
+        self._writer = ScalarWriter(config.logdir) if config.logdir and self._rank == self._ranks[0] else None
         self._reducer = BucketReducer(
             params,
             group=settings.group,
             compression=settings.compression,
             grad_as_view=settings.grad_as_view,
+            on_step=self._writer.step if self._writer else None,
         )
         self._compiler = inner_compiler(
             config.backend, mode=config.mode, cudagraphs=config.cudagraphs, dynamic=config.dynamic
@@ -220,13 +223,23 @@ class DistCompiledModule(nn.Module):
             timeout_s=self.config.desync_timeout_s,
             what=f"graph {graph_id}",
         )
-        compiled = split_and_compile(gm, example_inputs, captured=captured, plan=plan, compiler=self._compiler)
+        compiled = split_and_compile(
+            gm, example_inputs, captured=captured, plan=plan, compiler=self._compiler
+        )
         self._reducer.add_graph(graph_id, [b.params for b in plan.buckets])
         record = GraphRecord(graph_id, plan, time.perf_counter() - t0, len(captured.nodes))
         self.graphs.append(record)
+        if self._writer is not None:
+            self._writer.graph(
+                graph_id, record.compile_s, len(plan.segments), len(plan.buckets), plan.describe()
+            )
         log.info(
             "graph %d: %d nodes -> %d segments, %d buckets, compiled in %.2f s",
-            graph_id, record.num_nodes, len(plan.segments), len(plan.buckets), record.compile_s,
+            graph_id,
+            record.num_nodes,
+            len(plan.segments),
+            len(plan.buckets),
+            record.compile_s,
         )
         return _recording(compiled, self._reducer, graph_id)
 
@@ -236,8 +249,9 @@ class DistCompiledModule(nn.Module):
         s = self._settings
         if s.broadcast_buffers and self._require_forward_param_sync and self._buffers_list:
             with torch.no_grad():
-                dist._broadcast_coalesced(s.group or dist.group.WORLD, self._buffers_list,
-                                          _BUFFER_BROADCAST_BYTES, self._ranks[0])
+                dist._broadcast_coalesced(
+                    s.group or dist.group.WORLD, self._buffers_list, _BUFFER_BROADCAST_BYTES, self._ranks[0]
+                )
         sync = torch.is_grad_enabled() and self._sync
         self._require_forward_param_sync = sync
         if sync:
@@ -270,6 +284,17 @@ class DistCompiledModule(nn.Module):
             yield
         finally:
             self._sync = previous
+
+    def close(self) -> None:
+        """Flush TensorBoard files and remove gradient hooks; the module stops synchronizing.
+
+        Example:
+            >>> # model.close()  # at the end of training
+        """
+        self._reducer.close()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
     @property
     def last_step(self) -> StepStats:

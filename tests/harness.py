@@ -44,7 +44,10 @@ def _child(fn: Callable, rank: int, world: int, init_file: str, results: Any, ar
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
             timeout=timedelta(seconds=120),
         )
         out = fn(rank, world, *args)
@@ -84,13 +87,18 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 300) -> lis
                             f"timed out after {timeout:.0f} s; ranks {sorted(set(range(world)) - set(out) - set(errors))} "
                             f"did not finish. Errors so far: {errors}"
                         ) from None
-                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
-                            and r not in out and r not in errors]
+                    dead = [
+                        r
+                        for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in out and r not in errors
+                    ]
                     if dead and results.empty():
                         time.sleep(1.0)
                         if results.empty():
-                            raise RankFailure(f"rank(s) {dead} died with exit codes "
-                                              f"{[procs[r].exitcode for r in dead]}; errors: {errors}") from None
+                            raise RankFailure(
+                                f"rank(s) {dead} died with exit codes "
+                                f"{[procs[r].exitcode for r in dead]}; errors: {errors}"
+                            ) from None
                     continue
                 (out if status == "ok" else errors)[rank] = value
                 if errors and status == "error":

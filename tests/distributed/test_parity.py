@@ -24,7 +24,9 @@ def _check(results: list[dict], tol: tuple[float, float]) -> None:
     for rank, res in enumerate(results):
         ref_losses = np.array([a for a, _ in res["losses"]])
         our_losses = np.array([b for _, b in res["losses"]])
-        np.testing.assert_allclose(our_losses, ref_losses, rtol=rtol, atol=atol, err_msg=f"losses, rank {rank}")
+        np.testing.assert_allclose(
+            our_losses, ref_losses, rtol=rtol, atol=atol, err_msg=f"losses, rank {rank}"
+        )
         for i, (a, b) in enumerate(zip(res["params"], res["ref_params"])):
             np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=f"param {i}, rank {rank}")
         for i, (a, b) in enumerate(zip(res["buffers"], res["ref_buffers"])):

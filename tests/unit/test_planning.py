@@ -20,7 +20,9 @@ def chain(*params: tuple[str, ...]) -> list[NodeInfo]:
 
 def test_each_parameter_lands_with_its_first_use() -> None:
     nodes = chain(("w0",), ("w1",), ("w2",), ("w3",))
-    plan = plan_graph(nodes, dict.fromkeys(["w0", "w1", "w2", "w3"], 4 * KB), bucket_cap=4 * KB, first_bucket_cap=4 * KB)
+    plan = plan_graph(
+        nodes, dict.fromkeys(["w0", "w1", "w2", "w3"], 4 * KB), bucket_cap=4 * KB, first_bucket_cap=4 * KB
+    )
     assert plan.segments == ((0, 1), (1, 2), (2, 3), (3, 4))
     assert [b.params for b in plan.buckets] == [("w3",), ("w2",), ("w1",), ("w0",)]
     for b in plan.buckets:
@@ -86,7 +88,9 @@ def test_plan_is_deterministic() -> None:
     nodes = chain(*[(f"w{i}",) for i in range(20)])
     sizes = {f"w{i}": (i % 5 + 1) * KB for i in range(20)}
     a = plan_graph(nodes, sizes, bucket_cap=6 * KB, first_bucket_cap=2 * KB)
-    b = plan_graph(list(nodes), dict(reversed(list(sizes.items()))), bucket_cap=6 * KB, first_bucket_cap=2 * KB)
+    b = plan_graph(
+        list(nodes), dict(reversed(list(sizes.items()))), bucket_cap=6 * KB, first_bucket_cap=2 * KB
+    )
     assert a == b and a.fingerprint() == b.fingerprint()
 
 
@@ -115,7 +119,9 @@ def test_read_graph_finds_parameters_and_tied_weight() -> None:
     assert set(captured.params) == {n for n, _ in model.named_parameters()}
     tied_reads = [n.name for n in captured.nodes if "wte.weight" in n.params]
     assert len(tied_reads) == 2, tied_reads  # the embedding lookup and the output head
-    plan = plan_graph(captured.nodes, {n: p.numel() * 4 for n, p in captured.params.items()}, bucket_cap=64 * KB)
+    plan = plan_graph(
+        captured.nodes, {n: p.numel() * 4 for n, p in captured.params.items()}, bucket_cap=64 * KB
+    )
     emb_bucket = next(b for b in plan.buckets if "wte.weight" in b.params)
     assert emb_bucket.index == len(plan.buckets) - 1  # first use is the very first op: last bucket
 
@@ -123,7 +129,11 @@ def test_read_graph_finds_parameters_and_tied_weight() -> None:
 def test_read_graph_on_sequential() -> None:
     model = mlp_seq()
     captured = _trace(model, torch.zeros(2, 64))
-    plan = plan_graph(captured.nodes, {n: p.numel() * 4 for n, p in captured.params.items()},
-                      bucket_cap=20 * KB, first_bucket_cap=1 * KB)
+    plan = plan_graph(
+        captured.nodes,
+        {n: p.numel() * 4 for n, p in captured.params.items()},
+        bucket_cap=20 * KB,
+        first_bucket_cap=1 * KB,
+    )
     assert len(plan.segments) > 2
     assert sorted(p for b in plan.buckets for p in b.params) == sorted(n for n, _ in model.named_parameters())

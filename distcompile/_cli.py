@@ -1,0 +1,40 @@
+"""The ``distcompile`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ._config import BACKENDS
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``distcompile`` console script.
+
+    Example:
+        >>> # $ distcompile demo            # 2 local ranks, eager DDP vs distcompile
+    """
+    parser = argparse.ArgumentParser(prog="distcompile", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train the example GPT with eager DDP and distcompile on local ranks")
+    demo.add_argument("--nproc", type=int, default=2, help="local ranks to launch (default 2)")
+    demo.add_argument("--steps", type=int, default=20, help="training steps per variant (default 20)")
+    demo.add_argument(
+        "--backend", choices=BACKENDS, default="inductor", help="segment compiler (default inductor)"
+    )
+    demo.add_argument("--logdir", default="runs/demo", help="TensorBoard directory (default runs/demo)")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        if args.nproc < 1 or args.steps < 2:
+            parser.error("--nproc must be >= 1 and --steps >= 2")
+        from ._demo import run_demo
+
+        return run_demo(nproc=args.nproc, steps=args.steps, backend=args.backend, logdir=args.logdir)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
