@@ -54,7 +54,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = DDP(GPT(cfg).to(device), device_ids=[device.index] if use_cuda else None)
     if args.distcompile:
-        model = distcompile.wrap(model, backend=args.backend, compression=args.compression, logdir=args.logdir)
+        model = distcompile.wrap(
+            model, backend=args.backend, compression=args.compression, logdir=args.logdir
+        )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     for step in range(args.steps):
@@ -65,7 +67,10 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            print(f"step {step:4d}  loss {loss.item():.4f}  {1e3 * (time.perf_counter() - t0):7.1f} ms", flush=True)
+            print(
+                f"step {step:4d}  loss {loss.item():.4f}  {1e3 * (time.perf_counter() - t0):7.1f} ms",
+                flush=True,
+            )
 
     if args.distcompile:
         model.close()

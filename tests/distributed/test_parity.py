@@ -76,6 +76,10 @@ def test_gradient_as_bucket_view() -> None:
     _check(run_ranks(workers.parity, 2, "gpt", "aot_eager", "grad_as_view"), TOL["aot_eager"])
 
 
+def test_static_graph() -> None:
+    _check(run_ranks(workers.parity, 2, "convbn", "aot_eager", "static_graph"), TOL["aot_eager"])
+
+
 def test_autocast() -> None:
     _check(run_ranks(workers.parity, 2, "mlp_seq", "aot_eager", "autocast"), TOL["half"])
 
@@ -92,7 +96,10 @@ def test_plain_module_is_broadcast_and_trains_in_sync() -> None:
         np.testing.assert_array_equal(a, b)
 
 
-def test_no_grad_forward_does_not_communicate() -> None:
-    for res in run_ranks(workers.no_grad_forward, 2):
-        assert res["opened_by_no_grad"] is False
-        assert res["buckets"] > 0
+def test_one_all_reduce_per_bucket_and_none_otherwise() -> None:
+    """DDP's own reducer stays inert: a training step issues exactly our bucket all-reduces."""
+    for res in run_ranks(workers.collective_counts, 2):
+        assert res["buckets"] > 2  # a 0.01 MiB cap splits the MLP into several buckets
+        assert res["train_step"] == res["buckets"], res
+        assert res["no_grad"] == 0 and res["opened_by_no_grad"] is False, res
+        assert res["no_sync_step"] == 0, res

@@ -36,6 +36,8 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
         ddp_kwargs["find_unused_parameters"] = True
     if case == "grad_as_view":
         ddp_kwargs["gradient_as_bucket_view"] = True
+    if case == "static_graph":
+        ddp_kwargs["static_graph"] = True
     ref = DDP(copy.deepcopy(base), **ddp_kwargs)
     ours_ddp = DDP(copy.deepcopy(base), **ddp_kwargs)
     wrap_kwargs: dict = {"backend": backend}
@@ -136,16 +138,31 @@ def plain_module(rank: int, world: int) -> dict:
     return {"params": [p.detach().clone() for p in model.parameters()]}
 
 
-def no_grad_forward(rank: int, world: int) -> dict:
-    """Eval/no-grad forwards open no step and issue no all-reduce."""
-    model = distcompile.wrap(DDP(BUILDERS["mlp_seq"]()), backend="eager")
+def collective_counts(rank: int, world: int) -> dict:
+    """Count collectives with the process group's sequence number (every collective bumps it)."""
+    pg = dist.group.WORLD
+    seq = pg._get_sequence_number_for_group
+    model = distcompile.wrap(DDP(BUILDERS["mlp_seq"](), bucket_cap_mb=0.01), backend="eager")
+    before = seq()
     with torch.no_grad():
         for _ in range(3):
             model(torch.randn(4, 64))
+    no_grad = seq() - before
     opened = model._reducer.step_open
     x, y = batch("mlp_seq", rank, 0)
+    before = seq()
     loss_fn("mlp_seq", model(x), y).backward()
-    return {"opened_by_no_grad": opened, "buckets": model.last_step.buckets}
+    step = seq() - before
+    before = seq()
+    with model.no_sync():
+        loss_fn("mlp_seq", model(x), y).backward()
+    return {
+        "no_grad": no_grad,
+        "opened_by_no_grad": opened,
+        "train_step": step,
+        "no_sync_step": seq() - before,
+        "buckets": model.last_step.buckets,
+    }
 
 
 def custom_hook(rank: int, world: int) -> str:

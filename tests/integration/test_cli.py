@@ -22,9 +22,23 @@ def _env() -> dict:
 def test_demo_prints_table_and_writes_tensorboard(tmp_path: Path) -> None:
     logdir = tmp_path / "runs"
     proc = subprocess.run(
-        [sys.executable, "-m", "distcompile._cli", "demo", "--steps", "4", "--backend", "aot_eager",
-         "--logdir", str(logdir)],
-        capture_output=True, text=True, timeout=600, env=_env(), cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "distcompile._cli",
+            "demo",
+            "--steps",
+            "4",
+            "--backend",
+            "aot_eager",
+            "--logdir",
+            str(logdir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(),
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
@@ -42,16 +56,40 @@ def test_demo_prints_table_and_writes_tensorboard(tmp_path: Path) -> None:
 
 def test_example_trainer_under_torchrun(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "examples" / "train_gpt.py"), "--distcompile", "--backend", "eager", "--steps", "3",
-         "--n-layer", "1", "--n-embd", "32"],
-        capture_output=True, text=True, timeout=600, env=_env(), cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(ROOT / "examples" / "train_gpt.py"),
+            "--distcompile",
+            "--backend",
+            "eager",
+            "--steps",
+            "3",
+            "--n-layer",
+            "1",
+            "--n-embd",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(),
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step    2  loss" in proc.stdout, proc.stdout
 
 
 def test_cli_rejects_bad_arguments() -> None:
-    proc = subprocess.run([sys.executable, "-m", "distcompile._cli", "demo", "--steps", "1"],
-                          capture_output=True, text=True, timeout=60, env=_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "distcompile._cli", "demo", "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+    )
     assert proc.returncode == 2 and "--steps" in proc.stderr
