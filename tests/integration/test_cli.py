@@ -35,7 +35,7 @@ def test_demo_prints_table_and_writes_tensorboard(tmp_path: Path) -> None:
     steps = engine.Scalars("step/fwd_bwd_ms")
     assert [s.step for s in steps] == [0, 1, 2, 3]
     assert all(s.value > 0 for s in steps)
-    assert "plan/graph_0" in engine.Tags()["tensors"]
+    assert "plan/graph_0/text_summary" in engine.Tags()["tensors"]
 
 
 def test_example_trainer_under_torchrun(tmp_path: Path) -> None:
