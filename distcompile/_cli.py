@@ -25,7 +25,19 @@ def main(argv: list[str] | None = None) -> int:
         "--backend", choices=BACKENDS, default="inductor", help="segment compiler (default inductor)"
     )
     demo.add_argument("--logdir", default="runs/demo", help="TensorBoard directory (default runs/demo)")
+    report = sub.add_parser("report", help="summarize the telemetry a run wrote under LOGDIR")
+    report.add_argument("logdir", help="the logdir given to distcompile.wrap (or distcompile demo)")
     args = parser.parse_args(argv)
+    if args.command == "report":
+        from ._report import find_runs, summarize
+
+        runs = find_runs(args.logdir)
+        if not runs:
+            print(f"distcompile report: no distcompile telemetry under {args.logdir!r}. Pass the "
+                  "logdir given to distcompile.wrap(..., logdir=...).", file=sys.stderr)
+            return 1
+        print("\n\n".join(summarize(r) for r in runs))
+        return 0
     if args.command == "demo":
         if args.nproc < 1 or args.steps < 2:
             parser.error("--nproc must be >= 1 and --steps >= 2")

@@ -39,13 +39,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ._errors import UnsupportedModelError
+from ._timeline import Span, StepTimeline
+
+if TYPE_CHECKING:
+    from ._telemetry import Telemetry
 
 __all__ = ["BucketReducer", "StepStats"]
 
@@ -102,7 +107,7 @@ class _FlatBucket:
         self.n_ready = 0
         self.work = None
 
-    def launch(self, group: dist.ProcessGroup | None, scale: float) -> None:
+    def launch(self, group: dist.ProcessGroup | None, scale: float, timeline: StepTimeline | None) -> None:
         flags = []
         for i, p in enumerate(self.params):
             g = p.grad
@@ -124,6 +129,15 @@ class _FlatBucket:
         self.wire[self.numel :].copy_(torch.tensor(flags, dtype=self.wire.dtype))
         self.launched_at = time.perf_counter()
         self.work = dist.all_reduce(self.wire, group=group, async_op=True)
+        if timeline is not None:
+            start, index, nbytes = self.launched_at, self.index, self.nbytes
+
+            def done(fut: torch.futures.Future) -> None:
+                # Runs on the communication thread when the all-reduce completes.
+                timeline.add(Span("comm", f"bucket {index}", start, time.perf_counter(), lane=index,
+                                  args={"bytes": nbytes, "params": len(self.params)}))
+
+            self.work.get_future().then(done)
 
     def finish(self) -> None:
         assert self.work is not None, "finish() before launch()"
@@ -155,6 +169,8 @@ class StepStats:
         bytes: Bytes all-reduced (payload plus flags).
         exposed_comm_ms: Time ``backward()`` spent waiting for communication at its end.
         launch_ms: For each bucket, launch time after the first gradient became ready.
+        overlap_pct: Share of all-reduce time that overlapped computation (telemetry on).
+        comm_ms: Time any all-reduce was in flight (telemetry on).
     """
 
     step: int = -1
@@ -163,6 +179,8 @@ class StepStats:
     bytes: int = 0
     exposed_comm_ms: float = 0.0
     launch_ms: list[float] = field(default_factory=list)
+    overlap_pct: float = 0.0
+    comm_ms: float = 0.0
 
 
 class _Step:
@@ -189,10 +207,10 @@ class BucketReducer:
         group: dist.ProcessGroup | None,
         compression: str | None,
         grad_as_view: bool,
-        on_step: Callable[[StepStats], None] | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.params = dict(params)
-        self.on_step = on_step
+        self.telemetry = telemetry
         self.steps = 0
         self.group = group
         self.compression = compression
@@ -216,6 +234,8 @@ class BucketReducer:
         """Open a step (if none is open): the next backward synchronizes gradients."""
         if self._step is None:
             self._step = _Step()
+            if self.telemetry is not None:
+                self.telemetry.begin_step()
 
     def record_graph(self, graph_id: int) -> None:
         """Note that a captured graph ran with gradients in the open step."""
@@ -303,7 +323,7 @@ class BucketReducer:
             bucket = order[step.cursor]
             if not all_remaining and bucket.n_ready < len(bucket.params):
                 return
-            bucket.launch(self.group, scale)
+            bucket.launch(self.group, scale, self.telemetry.timeline if self.telemetry else None)
             step.cursor += 1
 
     def _finish_step(self) -> None:
@@ -325,8 +345,8 @@ class BucketReducer:
             launch_ms=[(b.launched_at - step.started) * 1e3 for b in step.order],
         )
         self.steps += 1
-        if self.on_step is not None:
-            self.on_step(self.last_step)
+        if self.telemetry is not None:
+            self.telemetry.end_step(self.last_step)
 
     def abandon_step(self) -> None:
         """Forget an open step whose backward never ran (e.g. forward under grad, no backward)."""

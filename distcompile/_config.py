@@ -43,7 +43,13 @@ class Config:
         cudagraphs: Record each segment in a CUDA graph. CUDA only.
         desync_timeout_s: Seconds to wait for every rank to publish its plan before
             raising :class:`distcompile.DesyncError`.
-        logdir: Directory for TensorBoard step scalars (rank 0). ``None`` writes nothing.
+        logdir: Directory for telemetry: TensorBoard scalars, text and a timeline picture
+            (rank 0's), and Chrome traces of every rank under ``logdir/traces``. ``None``
+            measures and writes nothing.
+        trace_every: Write a trace file and a timeline picture every this many steps
+            (0: never). Scalars are written every step.
+        telemetry_all_ranks: Give every rank its own TensorBoard run (``logdir/rank{R}``)
+            instead of rank 0 alone.
     """
 
     backend: str = "inductor"
@@ -58,6 +64,8 @@ class Config:
     cudagraphs: bool = False
     desync_timeout_s: float = 60.0
     logdir: str | None = None
+    trace_every: int = 10
+    telemetry_all_ranks: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -76,6 +84,8 @@ class Config:
             )
         if not self.desync_timeout_s > 0:
             raise ConfigError(f"desync_timeout_s={self.desync_timeout_s!r} must be > 0 seconds.")
+        if self.trace_every < 0:
+            raise ConfigError(f"trace_every={self.trace_every!r} must be >= 0 (0 writes no traces).")
         if self.cudagraphs and self.backend != "inductor":
             raise ConfigError(f"cudagraphs=True needs backend='inductor', got backend={self.backend!r}.")
 

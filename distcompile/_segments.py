@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import fx
@@ -17,8 +19,12 @@ from torch.fx.passes.split_module import split_module
 
 from ._capture import CapturedGraph
 from ._planning import Plan
+from ._timeline import Span
 
-__all__ = ["inner_compiler", "split_and_compile"]
+if TYPE_CHECKING:
+    from ._telemetry import Telemetry
+
+__all__ = ["inner_compiler", "split_and_compile", "instrument"]
 
 log = logging.getLogger(__name__)
 
@@ -90,3 +96,56 @@ def split_and_compile(
     split_gm.recompile()
     log.debug("split graph:\n%s", split_gm.graph)
     return split_gm
+
+
+def _timed_call(fn: Callable, args: tuple, telemetry: Telemetry, label: str) -> object:
+    if not telemetry.recording:
+        return fn(*args)
+    t0 = time.perf_counter()
+    out = fn(*args)
+    timeline = telemetry.timeline
+    timeline.add(Span("compute", f"{label} fwd", t0, time.perf_counter()))
+    node = next(
+        (t.grad_fn for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn),
+        None,
+    )
+    if node is not None:
+        # The piece's backward is one autograd node (under AOTAutograd); its pre- and
+        # post-hooks bracket the segment's backward without touching any tensor.
+        started: list[float] = []
+        node.register_prehook(lambda grad_outputs: started.append(time.perf_counter()))
+        node.register_hook(
+            lambda grad_inputs, grad_outputs: timeline.add(
+                Span("compute", f"{label} bwd", started[0] if started else time.perf_counter(), time.perf_counter())
+            )
+        )
+    return out
+
+
+class _TimedPiece(torch.nn.Module):
+    def __init__(self, piece: torch.nn.Module, telemetry: Telemetry, label: str) -> None:
+        super().__init__()
+        self.piece = piece
+        self.label = label
+        object.__setattr__(self, "telemetry", telemetry)
+
+    def forward(self, *args: object) -> object:
+        return _timed_call(self.piece, args, self.telemetry, self.label)
+
+
+def instrument(compiled: Callable, telemetry: Telemetry, graph_id: int) -> Callable:
+    """Record each piece's forward and backward span on ``telemetry``'s timeline.
+
+    Example:
+        >>> # used by distcompile.wrap when logdir= is given
+    """
+    if isinstance(compiled, fx.GraphModule) and "partition_names" in compiled.meta:
+        pieces = [n for n, _ in compiled.named_children() if n.startswith("compiled_submod_")]
+        for k, name in enumerate(sorted(pieces, key=lambda n: int(n.rsplit("_", 1)[1]))):
+            setattr(compiled, name, _TimedPiece(getattr(compiled, name), telemetry, f"g{graph_id}.s{k}"))
+        return compiled
+    return functools.partial(_timed_call_args, compiled, telemetry, f"g{graph_id}.s0")
+
+
+def _timed_call_args(fn: Callable, telemetry: Telemetry, label: str, *args: object) -> object:
+    return _timed_call(fn, args, telemetry, label)

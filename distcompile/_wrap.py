@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,8 +21,8 @@ from ._comm import BucketReducer, StepStats
 from ._config import Config
 from ._errors import ConfigError, DistCompileError, UnsupportedModelError
 from ._planning import DEFAULT_FIRST_BUCKET_BYTES, Plan, plan_graph
-from ._segments import inner_compiler, split_and_compile
-from ._telemetry import ScalarWriter
+from ._segments import inner_compiler, instrument, split_and_compile
+from ._telemetry import Telemetry
 
 __all__ = ["wrap", "DistCompiledModule", "GraphRecord"]
 
@@ -40,14 +41,23 @@ class GraphRecord:
     Attributes:
         graph_id: Order of capture within this wrapped model.
         plan: Its segments and buckets.
-        compile_s: Seconds spent planning, checking and compiling it on this rank.
+        compile_s: Seconds spent planning, checking and compiling it on this rank
+            (Inductor compiles the backward lazily, during the first backward).
         num_nodes: Partitionable nodes in the graph.
+        segment_compile_s: Forward compile seconds of each segment.
+        graph_breaks: Graph-break reasons TorchDynamo reported while capturing up to this graph.
+        recompile_reason: The failed guard, if this graph recompiles code compiled before.
+        cache_hits: FX-graph and AOTAutograd cache hits while compiling it.
     """
 
     graph_id: int
     plan: Plan
     compile_s: float
     num_nodes: int
+    segment_compile_s: tuple[float, ...] = ()
+    graph_breaks: tuple[str, ...] = ()
+    recompile_reason: str | None = None
+    cache_hits: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +150,34 @@ def _settings(model: nn.Module, cfg: Config) -> tuple[nn.Module, _DDPSettings]:
     return model, settings
 
 
+def _compile_counters() -> dict:
+    counters = torch._dynamo.utils.counters
+    hits = counters["inductor"].get("fxgraph_cache_hit", 0) + counters["aot_autograd"].get("autograd_cache_hit", 0)
+    return {"breaks": set(counters["graph_break"]), "hits": hits}
+
+
+def _recompile_reason() -> str | None:
+    # TorchDynamo records the failed guard of a recompile in its metrics context
+    # (torch._dynamo.convert_frame); absent on other versions, which is harmless.
+    try:
+        metrics = torch._dynamo.utils.get_metrics_context()._metrics
+    except Exception:  # noqa: BLE001 - private API, best effort
+        return None
+    reason = metrics.get("recompile_reason") if isinstance(metrics, dict) else None
+    return str(reason) if reason else None
+
+
+def _make_telemetry(config: Config, rank: int, first_rank: int) -> Telemetry | None:
+    if not config.logdir:
+        return None
+    if config.telemetry_all_ranks:
+        run_dir: str | None = os.path.join(config.logdir, f"rank{rank}")
+    else:
+        run_dir = config.logdir if rank == first_rank else None
+    return Telemetry(run_dir=run_dir, trace_dir=os.path.join(config.logdir, "traces"), rank=rank,
+                     trace_every=config.trace_every)
+
+
 def _pick(option: bool | None, inherited: bool) -> bool:
     return inherited if option is None else option
 
@@ -179,13 +217,13 @@ class DistCompiledModule(nn.Module):
         params = {n: p for n, p in module.named_parameters() if p.requires_grad and n not in settings.ignored}
         self._names_by_id = {id(p): n for n, p in params.items()}
         self._buffers_list = [b for n, b in module.named_buffers() if n not in settings.ignored]
-        self._writer = ScalarWriter(config.logdir) if config.logdir and self._rank == self._ranks[0] else None
+        self._telemetry = _make_telemetry(config, self._rank, self._ranks[0])
         self._reducer = BucketReducer(
             params,
             group=settings.group,
             compression=settings.compression,
             grad_as_view=settings.grad_as_view,
-            on_step=self._writer.step if self._writer else None,
+            telemetry=self._telemetry,
         )
         self._compiler = inner_compiler(
             config.backend, mode=config.mode, cudagraphs=config.cudagraphs, dynamic=config.dynamic
@@ -198,6 +236,7 @@ class DistCompiledModule(nn.Module):
     # -- the TorchDynamo backend -------------------------------------------------------
     def _compile_graph(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         t0 = time.perf_counter()
+        before = _compile_counters()
         graph_id = next(self._graph_ids)
         s = self._settings
         captured = read_graph(gm, example_inputs, self._names_by_id)
@@ -223,24 +262,42 @@ class DistCompiledModule(nn.Module):
             timeout_s=self.config.desync_timeout_s,
             what=f"graph {graph_id}",
         )
-        compiled = split_and_compile(
-            gm, example_inputs, captured=captured, plan=plan, compiler=self._compiler
-        )
+        segment_s: list[float] = []
+
+        def timed_compiler(piece: fx.GraphModule, inputs: list) -> Callable:
+            start = time.perf_counter()
+            try:
+                return self._compiler(piece, inputs)
+            finally:
+                segment_s.append(time.perf_counter() - start)
+
+        compiled = split_and_compile(gm, example_inputs, captured=captured, plan=plan, compiler=timed_compiler)
         self._reducer.add_graph(graph_id, [b.params for b in plan.buckets])
-        record = GraphRecord(graph_id, plan, time.perf_counter() - t0, len(captured.nodes))
+        after = _compile_counters()
+        record = GraphRecord(
+            graph_id=graph_id,
+            plan=plan,
+            compile_s=time.perf_counter() - t0,
+            num_nodes=len(captured.nodes),
+            segment_compile_s=tuple(segment_s),
+            graph_breaks=tuple(r for r in after["breaks"] if r not in before["breaks"]),
+            recompile_reason=_recompile_reason(),
+            cache_hits=after["hits"] - before["hits"],
+        )
         self.graphs.append(record)
-        if self._writer is not None:
-            self._writer.graph(
-                graph_id, record.compile_s, len(plan.segments), len(plan.buckets), plan.describe()
-            )
         log.info(
             "graph %d: %d nodes -> %d segments, %d buckets, compiled in %.2f s",
-            graph_id,
-            record.num_nodes,
-            len(plan.segments),
-            len(plan.buckets),
-            record.compile_s,
+            graph_id, record.num_nodes, len(plan.segments), len(plan.buckets), record.compile_s,
         )
+        if record.recompile_reason:
+            log.warning("graph %d is a recompile: %s", graph_id, record.recompile_reason)
+        if self._telemetry is not None:
+            self._telemetry.compiled(
+                graph_id=graph_id, step=self._reducer.steps, start=t0, end=t0 + record.compile_s,
+                segment_s=segment_s, plan_table=plan.describe(), breaks=record.graph_breaks,
+                recompile_reason=record.recompile_reason, cache_hits=record.cache_hits,
+            )
+            compiled = instrument(compiled, self._telemetry, graph_id)
         return _recording(compiled, self._reducer, graph_id)
 
     # -- running -----------------------------------------------------------------------
@@ -292,9 +349,8 @@ class DistCompiledModule(nn.Module):
             >>> # model.close()  # at the end of training
         """
         self._reducer.close()
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        if self._telemetry is not None:
+            self._telemetry.close()
 
     @property
     def last_step(self) -> StepStats:
