@@ -33,8 +33,11 @@ def main(argv: list[str] | None = None) -> int:
 
         runs = find_runs(args.logdir)
         if not runs:
-            print(f"distcompile report: no distcompile telemetry under {args.logdir!r}. Pass the "
-                  "logdir given to distcompile.wrap(..., logdir=...).", file=sys.stderr)
+            print(
+                f"distcompile report: no distcompile telemetry under {args.logdir!r}. Pass the "
+                "logdir given to distcompile.wrap(..., logdir=...).",
+                file=sys.stderr,
+            )
             return 1
         print("\n\n".join(summarize(r) for r in runs))
         return 0

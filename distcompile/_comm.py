@@ -134,8 +134,16 @@ class _FlatBucket:
 
             def done(fut: torch.futures.Future) -> None:
                 # Runs on the communication thread when the all-reduce completes.
-                timeline.add(Span("comm", f"bucket {index}", start, time.perf_counter(), lane=index,
-                                  args={"bytes": nbytes, "params": len(self.params)}))
+                timeline.add(
+                    Span(
+                        "comm",
+                        f"bucket {index}",
+                        start,
+                        time.perf_counter(),
+                        lane=index,
+                        args={"bytes": nbytes, "params": len(self.params)},
+                    )
+                )
 
             self.work.get_future().then(done)
 

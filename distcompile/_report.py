@@ -54,7 +54,9 @@ def summarize(run: str) -> str:
     segments = sum(1 for t in s if re.fullmatch(r"compile/graph_\d+_segment_\d+_s", t))
     last = lambda tag: s[tag][-1][1] if s.get(tag) else 0  # noqa: E731
     times = values("step/time_ms")
-    bucket_tags = sorted((t for t in s if re.fullmatch(r"comm/bucket_\d+_ms", t)), key=lambda t: int(t.split("_")[1]))
+    bucket_tags = sorted(
+        (t for t in s if re.fullmatch(r"comm/bucket_\d+_ms", t)), key=lambda t: int(t.split("_")[1])
+    )
     slowest = max(bucket_tags, key=lambda t: _median(values(t)), default=None)
     lines = [
         f"run: {run}",
@@ -63,13 +65,17 @@ def summarize(run: str) -> str:
         f"graph breaks {last('compile/graph_breaks'):.0f}, cache hits {last('compile/cache_hits'):.0f}",
         f"steps: {len(s.get('step/time_ms', []))}; forward+backward median {_median(times):.1f} ms "
         f"(min {min(times, default=float('nan')):.1f}, max {max(times, default=float('nan')):.1f}); "
-        f"step 0 {s['step/time_ms'][0][1]:.0f} ms" if s.get("step/time_ms") else "steps: 0",
+        f"step 0 {s['step/time_ms'][0][1]:.0f} ms"
+        if s.get("step/time_ms")
+        else "steps: 0",
         f"communication: median in flight {_median(values('step/comm_ms')):.1f} ms, exposed "
         f"{_median(values('step/exposed_comm_ms')):.1f} ms, overlap {_median(values('step/overlap_pct')):.1f}%",
     ]
     if slowest:
-        lines.append(f"slowest bucket: {slowest.split('/')[1].rsplit('_', 1)[0].replace('_', ' ')} "
-                     f"(median {_median(values(slowest)):.1f} ms of {len(bucket_tags)} buckets)")
+        lines.append(
+            f"slowest bucket: {slowest.split('/')[1].rsplit('_', 1)[0].replace('_', ' ')} "
+            f"(median {_median(values(slowest)):.1f} ms of {len(bucket_tags)} buckets)"
+        )
     for trace_dir in (os.path.join(run, "traces"), os.path.join(os.path.dirname(run), "traces")):
         traces = glob.glob(os.path.join(trace_dir, "trace_rank*_step*.json"))
         if traces:

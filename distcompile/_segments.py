@@ -106,7 +106,11 @@ def _timed_call(fn: Callable, args: tuple, telemetry: Telemetry, label: str) -> 
     timeline = telemetry.timeline
     timeline.add(Span("compute", f"{label} fwd", t0, time.perf_counter()))
     node = next(
-        (t.grad_fn for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn),
+        (
+            t.grad_fn
+            for t in torch.utils._pytree.tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.grad_fn
+        ),
         None,
     )
     if node is not None:
@@ -116,7 +120,12 @@ def _timed_call(fn: Callable, args: tuple, telemetry: Telemetry, label: str) -> 
         node.register_prehook(lambda grad_outputs: started.append(time.perf_counter()))
         node.register_hook(
             lambda grad_inputs, grad_outputs: timeline.add(
-                Span("compute", f"{label} bwd", started[0] if started else time.perf_counter(), time.perf_counter())
+                Span(
+                    "compute",
+                    f"{label} bwd",
+                    started[0] if started else time.perf_counter(),
+                    time.perf_counter(),
+                )
             )
         )
     return out

@@ -134,7 +134,9 @@ def chrome_trace(spans: Sequence[Span], *, rank: int, step: int, origin: float) 
     for (track, lane), tid in tids.items():
         label = track if track != "comm" else f"comm (bucket {lane})"
         events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": label}})
-        events.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}})
+        events.append(
+            {"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}}
+        )
     for s in spans:
         events.append(
             {

@@ -152,7 +152,9 @@ def _settings(model: nn.Module, cfg: Config) -> tuple[nn.Module, _DDPSettings]:
 
 def _compile_counters() -> dict:
     counters = torch._dynamo.utils.counters
-    hits = counters["inductor"].get("fxgraph_cache_hit", 0) + counters["aot_autograd"].get("autograd_cache_hit", 0)
+    hits = counters["inductor"].get("fxgraph_cache_hit", 0) + counters["aot_autograd"].get(
+        "autograd_cache_hit", 0
+    )
     return {"breaks": set(counters["graph_break"]), "hits": hits}
 
 
@@ -174,8 +176,13 @@ def _make_telemetry(config: Config, rank: int, first_rank: int) -> Telemetry | N
         run_dir: str | None = os.path.join(config.logdir, f"rank{rank}")
     else:
         run_dir = config.logdir if rank == first_rank else None
-    return Telemetry(run_dir=run_dir, trace_dir=os.path.join(config.logdir, "traces"), rank=rank,
-                     trace_every=config.trace_every)
+    return Telemetry(
+        run_dir=run_dir,
+        trace_dir=os.path.join(config.logdir, "traces"),
+        rank=rank,
+        trace_every=config.trace_every,
+        figure_every=config.figure_every,
+    )
 
 
 def _pick(option: bool | None, inherited: bool) -> bool:
@@ -271,7 +278,9 @@ class DistCompiledModule(nn.Module):
             finally:
                 segment_s.append(time.perf_counter() - start)
 
-        compiled = split_and_compile(gm, example_inputs, captured=captured, plan=plan, compiler=timed_compiler)
+        compiled = split_and_compile(
+            gm, example_inputs, captured=captured, plan=plan, compiler=timed_compiler
+        )
         self._reducer.add_graph(graph_id, [b.params for b in plan.buckets])
         after = _compile_counters()
         record = GraphRecord(
@@ -287,15 +296,25 @@ class DistCompiledModule(nn.Module):
         self.graphs.append(record)
         log.info(
             "graph %d: %d nodes -> %d segments, %d buckets, compiled in %.2f s",
-            graph_id, record.num_nodes, len(plan.segments), len(plan.buckets), record.compile_s,
+            graph_id,
+            record.num_nodes,
+            len(plan.segments),
+            len(plan.buckets),
+            record.compile_s,
         )
         if record.recompile_reason:
             log.warning("graph %d is a recompile: %s", graph_id, record.recompile_reason)
         if self._telemetry is not None:
             self._telemetry.compiled(
-                graph_id=graph_id, step=self._reducer.steps, start=t0, end=t0 + record.compile_s,
-                segment_s=segment_s, plan_table=plan.describe(), breaks=record.graph_breaks,
-                recompile_reason=record.recompile_reason, cache_hits=record.cache_hits,
+                graph_id=graph_id,
+                step=self._reducer.steps,
+                start=t0,
+                end=t0 + record.compile_s,
+                segment_s=segment_s,
+                plan_table=plan.describe(),
+                breaks=record.graph_breaks,
+                recompile_reason=record.recompile_reason,
+                cache_hits=record.cache_hits,
             )
             compiled = instrument(compiled, self._telemetry, graph_id)
         return _recording(compiled, self._reducer, graph_id)

@@ -173,3 +173,35 @@ def custom_hook(rank: int, world: int) -> str:
     except distcompile.UnsupportedModelError as e:
         return str(e)
     return "no error"
+
+
+def telemetry_run(rank: int, world: int, logdir: str, all_ranks: bool) -> dict:
+    """Train a few steps with telemetry on; return each step's stats."""
+    torch.manual_seed(0)
+    model = distcompile.wrap(
+        DDP(BUILDERS["gpt"](), bucket_cap_mb=0.05),
+        backend="aot_eager",
+        logdir=logdir,
+        trace_every=2,
+        figure_every=3,
+        telemetry_all_ranks=all_ranks,
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    stats = []
+    for step in range(4):
+        x, y = batch("gpt", rank, step)
+        loss_fn("gpt", model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        s = model.last_step
+        stats.append(
+            {
+                "step": s.step,
+                "fwd_bwd_ms": s.fwd_bwd_ms,
+                "overlap_pct": s.overlap_pct,
+                "exposed_comm_ms": s.exposed_comm_ms,
+                "buckets": s.buckets,
+            }
+        )
+    model.close()
+    return {"stats": stats}

@@ -17,13 +17,25 @@ def run(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess
     env = dict(os.environ)
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd
+    )
 
 
 def test_demo_prints_table_and_writes_tensorboard(tmp_path: Path) -> None:
     logdir = tmp_path / "runs"
-    proc = run("-m", "distcompile._cli", "demo", "--steps", "4", "--backend", "aot_eager", "--logdir", str(logdir),
-               cwd=tmp_path)
+    proc = run(
+        "-m",
+        "distcompile._cli",
+        "demo",
+        "--steps",
+        "4",
+        "--backend",
+        "aot_eager",
+        "--logdir",
+        str(logdir),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "eager DDP" in out and "distcompile" in out and "losses agree" in out and "OK" in out, out
@@ -39,9 +51,24 @@ def test_demo_prints_table_and_writes_tensorboard(tmp_path: Path) -> None:
 
 
 def test_example_trainer_under_torchrun(tmp_path: Path) -> None:
-    proc = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(ROOT / "examples" / "train_gpt.py"), "--distcompile", "--backend", "eager",
-               "--steps", "3", "--n-layer", "1", "--n-embd", "32", cwd=tmp_path)
+    proc = run(
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "examples" / "train_gpt.py"),
+        "--distcompile",
+        "--backend",
+        "eager",
+        "--steps",
+        "3",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step    2  loss" in proc.stdout, proc.stdout
 
