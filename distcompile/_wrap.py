@@ -219,6 +219,9 @@ class DistCompiledModule(nn.Module):
         self._require_forward_param_sync = True
         self._wrap_id = next(_wrap_ids)
         self._graph_ids = itertools.count()
+        # TorchDynamo counts a break before compiling the graph that ends at it.
+        # The counters are process-wide: start from what earlier code already caused.
+        self._seen_breaks: set[str] = _compile_counters()["breaks"]
         self._rank = dist.get_rank()
         self._ranks = dist.get_process_group_ranks(settings.group or dist.group.WORLD)
         params = {n: p for n, p in module.named_parameters() if p.requires_grad and n not in settings.ignored}
@@ -289,10 +292,11 @@ class DistCompiledModule(nn.Module):
             compile_s=time.perf_counter() - t0,
             num_nodes=len(captured.nodes),
             segment_compile_s=tuple(segment_s),
-            graph_breaks=tuple(r for r in after["breaks"] if r not in before["breaks"]),
+            graph_breaks=tuple(sorted(after["breaks"] - self._seen_breaks)),
             recompile_reason=_recompile_reason(),
             cache_hits=after["hits"] - before["hits"],
         )
+        self._seen_breaks |= after["breaks"]
         self.graphs.append(record)
         log.info(
             "graph %d: %d nodes -> %d segments, %d buckets, compiled in %.2f s",

@@ -205,3 +205,14 @@ def telemetry_run(rank: int, world: int, logdir: str, all_ranks: bool) -> dict:
         )
     model.close()
     return {"stats": stats}
+
+
+def compile_events(rank: int, world: int, logdir: str) -> dict:
+    """A graph break, then a batch-size change: both must be reported with reasons."""
+    torch.manual_seed(0)
+    model = distcompile.wrap(DDP(BUILDERS["graph_break"]()), backend="eager", logdir=logdir)
+    for n in (4, 4, 6):
+        model(torch.randn(n, 64)).sum().backward()
+    model.close()
+    return {"breaks": [b for g in model.graphs for b in g.graph_breaks],
+            "recompiles": [g.recompile_reason for g in model.graphs if g.recompile_reason]}
