@@ -88,3 +88,213 @@ def loss_fn(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if name == "gpt":
         return GPT.loss(out, target)
     return F.mse_loss(out, target)
+
+
+# --- Models that use torch.compile's fine-grained tracing APIs and other odd but legal code ---
+
+
+class _EagerOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class CompilerDisable(nn.Module):
+    """A submodule that TorchDynamo must skip (its parameters are only read by eager code)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(64, 64)
+        self.eager = _EagerOnly()
+        self.post = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.eager(torch.relu(self.pre(x))))
+
+
+def _helper_scale(x: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(x) * 2.0
+
+
+def _inner_traced(x: torch.Tensor) -> torch.Tensor:
+    return torch.cos(x)
+
+
+@torch.compiler.disable(recursive=False)
+def _outer_skipped(x: torch.Tensor) -> torch.Tensor:
+    return _inner_traced(x) + 1.0
+
+
+class DisableNonRecursive(nn.Module):
+    """torch.compiler.disable(recursive=False): the function runs eagerly, its callees compile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_outer_skipped(self.a(x)))
+
+
+_allowed = torch.compiler.allow_in_graph(_helper_scale)
+
+
+class AllowInGraph(nn.Module):
+    """A function kept opaque in the graph (torch.compiler.allow_in_graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_allowed(self.a(x)))
+
+
+class DisallowInGraph(nn.Module):
+    """A torch function excluded from graphs (torch._dynamo.disallow_in_graph) forces a break."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch._dynamo.disallow_in_graph(torch.special.expit)  # process-wide; only this model uses expit
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.special.expit(self.a(x)))
+
+
+class IsCompiling(nn.Module):
+    """Branches on torch.compiler.is_compiling() (both branches compute the same values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = torch.relu(h) if torch.compiler.is_compiling() else torch.clamp(h, min=0)
+        return self.b(h)
+
+
+@torch.library.custom_op("distcompile_tests::scaled_tanh", mutates_args=())
+def scaled_tanh(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.tanh(x) * scale
+
+
+@scaled_tanh.register_fake
+def _(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _scaled_tanh_backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN202
+    (x,) = ctx.saved_tensors
+    return grad * ctx.scale * (1 - torch.tanh(x) ** 2), None
+
+
+def _scaled_tanh_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+    ctx.save_for_backward(inputs[0])
+    ctx.scale = inputs[1]
+
+
+scaled_tanh.register_autograd(_scaled_tanh_backward, setup_context=_scaled_tanh_setup)
+
+
+class CustomOp(nn.Module):
+    """A torch.library.custom_op (opaque to the compiler, with its own autograd formula)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(scaled_tanh(self.a(x), 1.5))
+
+
+class FuncTransforms(nn.Module):
+    """torch.func inside forward: vmap over a functional_call, and a gradient penalty via grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = dict(self.a.named_parameters())
+
+        def one(sample: torch.Tensor) -> torch.Tensor:
+            return torch.func.functional_call(self.a, params, (sample,))
+
+        h = torch.tanh(torch.func.vmap(one)(x))
+        # d/dh of a smooth function of h, per sample: stays differentiable w.r.t. parameters.
+        g = torch.func.vmap(torch.func.grad(lambda v: (v**3).sum()))(h)
+        return self.head(h + 0.1 * g)
+
+
+class JacRev(nn.Module):
+    """torch.func.jacrev inside forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(64, 8)
+        self.pre = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = torch.tanh(self.pre(x))  # (batch, 8)
+        jac = torch.func.vmap(torch.func.jacrev(lambda v: torch.tanh(self.a(v))))(z)  # (batch, 8, 8)
+        return self.b(jac.flatten(1))
+
+
+class NumpyInForward(nn.Module):
+    """NumPy code inside forward (TorchDynamo traces it through torch._numpy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        h = self.a(x)
+        scale = np.sqrt(h.shape[-1])  # a NumPy scalar
+        mask = torch.from_numpy(np.greater(h.detach().numpy(), 0.0).astype(np.float32))
+        return self.b(h * mask / float(scale))
+
+
+class Checkpointed(nn.Module):
+    """Activation checkpointing (non-reentrant) inside a segment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(3))
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
+        return self.head(x)
+
+
+BUILDERS.update(
+    {
+        "compiler_disable": CompilerDisable,
+        "disable_nonrecursive": DisableNonRecursive,
+        "allow_in_graph": AllowInGraph,
+        "disallow_in_graph": DisallowInGraph,
+        "is_compiling": IsCompiling,
+        "custom_op": CustomOp,
+        "func_transforms": FuncTransforms,
+        "jacrev": JacRev,
+        "numpy": NumpyInForward,
+        "checkpoint": Checkpointed,
+    }
+)

@@ -44,7 +44,7 @@ def test_demo_prints_table_and_writes_tensorboard(tmp_path: Path) -> None:
     assert len(acc.Scalars("train/loss")) == 4
     engine = EventAccumulator(str(logdir / "distcompile" / "engine"))
     engine.Reload()
-    steps = engine.Scalars("step/fwd_bwd_ms")
+    steps = engine.Scalars("step/time_ms")
     assert [s.step for s in steps] == [0, 1, 2, 3]
     assert all(s.value > 0 for s in steps)
     assert "plan/graph_0/text_summary" in engine.Tags()["tensors"]
