@@ -6,7 +6,7 @@ Example:
 """
 
 from ._config import Config
-from ._errors import ConfigError, DesyncError, DistCompileError, UnsupportedModelError
+from ._errors import ConfigError, DesyncError, DistCompileError, RecompileError, UnsupportedModelError
 from ._planning import Bucket, NodeInfo, Plan, plan_graph
 from ._wrap import DistCompiledModule, GraphRecord, wrap
 
@@ -20,6 +20,7 @@ __all__ = [
     "GraphRecord",
     "NodeInfo",
     "Plan",
+    "RecompileError",
     "UnsupportedModelError",
     "plan_graph",
     "wrap",

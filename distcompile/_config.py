@@ -41,6 +41,9 @@ class Config:
         fullgraph: Raise if TorchDynamo has to break the graph, as in ``torch.compile``.
         dynamic: Passed through to ``torch.compile`` (``None``: automatic dynamic shapes).
         cudagraphs: Record each segment in a CUDA graph. CUDA only.
+        recompile: ``"allow"`` recompiles (each one is logged with the guard that
+            failed) or ``"error"``: after the first synchronized step, a recompile raises
+            :class:`distcompile.RecompileError` naming the guard, for latency-critical runs.
         desync_timeout_s: Seconds to wait for every rank to publish its plan before
             raising :class:`distcompile.DesyncError`.
         logdir: Directory for telemetry: TensorBoard scalars, text and a timeline picture
@@ -64,6 +67,7 @@ class Config:
     fullgraph: bool = False
     dynamic: bool | None = None
     cudagraphs: bool = False
+    recompile: str = "allow"
     desync_timeout_s: float = 60.0
     logdir: str | None = None
     trace_every: int = 10
@@ -85,6 +89,8 @@ class Config:
             raise ConfigError(
                 f"compression={self.compression!r} is not supported; use one of {COMPRESSIONS}."
             )
+        if self.recompile not in ("allow", "error"):
+            raise ConfigError(f"recompile={self.recompile!r} must be 'allow' or 'error'.")
         if not self.desync_timeout_s > 0:
             raise ConfigError(f"desync_timeout_s={self.desync_timeout_s!r} must be > 0 seconds.")
         for name in ("trace_every", "figure_every"):

@@ -6,7 +6,7 @@ setting or call that fixes it.
 
 from __future__ import annotations
 
-__all__ = ["DistCompileError", "ConfigError", "UnsupportedModelError", "DesyncError"]
+__all__ = ["DistCompileError", "ConfigError", "UnsupportedModelError", "DesyncError", "RecompileError"]
 
 
 class DistCompileError(RuntimeError):
@@ -23,3 +23,7 @@ class UnsupportedModelError(DistCompileError, TypeError):
 
 class DesyncError(DistCompileError):
     """Ranks captured different graphs or plans, or a rank did not answer in time."""
+
+
+class RecompileError(DistCompileError):
+    """A recompile happened after warm-up while ``recompile="error"`` forbids it."""

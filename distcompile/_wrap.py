@@ -19,7 +19,7 @@ from ._agreement import check_agreement, default_store
 from ._capture import read_graph
 from ._comm import BucketReducer, StepStats
 from ._config import Config
-from ._errors import ConfigError, DistCompileError, UnsupportedModelError
+from ._errors import ConfigError, DistCompileError, RecompileError, UnsupportedModelError
 from ._planning import DEFAULT_FIRST_BUCKET_BYTES, Plan, plan_graph
 from ._segments import inner_compiler, instrument, split_and_compile
 from ._telemetry import Telemetry
@@ -45,7 +45,8 @@ class GraphRecord:
             (Inductor compiles the backward lazily, during the first backward).
         num_nodes: Partitionable nodes in the graph.
         segment_compile_s: Forward compile seconds of each segment.
-        graph_breaks: Graph-break reasons TorchDynamo reported while capturing up to this graph.
+        graph_break: Why TorchDynamo ended this graph early (``None`` if it ran to the
+            end of the compiled function), with the user code location.
         recompile_reason: The failed guard, if this graph recompiles code compiled before.
         cache_hits: FX-graph and AOTAutograd cache hits while compiling it.
     """
@@ -55,7 +56,7 @@ class GraphRecord:
     compile_s: float
     num_nodes: int
     segment_compile_s: tuple[float, ...] = ()
-    graph_breaks: tuple[str, ...] = ()
+    graph_break: str | None = None
     recompile_reason: str | None = None
     cache_hits: int = 0
 
@@ -152,10 +153,26 @@ def _settings(model: nn.Module, cfg: Config) -> tuple[nn.Module, _DDPSettings]:
 
 def _compile_counters() -> dict:
     counters = torch._dynamo.utils.counters
-    hits = counters["inductor"].get("fxgraph_cache_hit", 0) + counters["aot_autograd"].get(
-        "autograd_cache_hit", 0
-    )
-    return {"breaks": set(counters["graph_break"]), "hits": hits}
+    hits = counters["inductor"].get("fxgraph_cache_hit", 0) + counters["aot_autograd"].get("autograd_cache_hit", 0)
+    return {"hits": hits}
+
+
+def graph_break_reason(gm: fx.GraphModule) -> str | None:
+    """TorchDynamo's reason for ending ``gm`` at a graph break, with the user's code line.
+
+    Example:
+        >>> graph_break_reason(fx.symbolic_trace(torch.nn.Linear(1, 1))) is None
+        True
+    """
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    text = " ".join(str(reason.reason).split())
+    stack = getattr(reason, "user_stack", None) or []
+    if stack:
+        frame = stack[-1]
+        text += f" (at {frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()})"
+    return text
 
 
 def _recompile_reason() -> str | None:
@@ -219,9 +236,6 @@ class DistCompiledModule(nn.Module):
         self._require_forward_param_sync = True
         self._wrap_id = next(_wrap_ids)
         self._graph_ids = itertools.count()
-        # TorchDynamo counts a break before compiling the graph that ends at it.
-        # The counters are process-wide: start from what earlier code already caused.
-        self._seen_breaks: set[str] = _compile_counters()["breaks"]
         self._rank = dist.get_rank()
         self._ranks = dist.get_process_group_ranks(settings.group or dist.group.WORLD)
         params = {n: p for n, p in module.named_parameters() if p.requires_grad and n not in settings.ignored}
@@ -246,6 +260,15 @@ class DistCompiledModule(nn.Module):
     # -- the TorchDynamo backend -------------------------------------------------------
     def _compile_graph(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         t0 = time.perf_counter()
+        reason = _recompile_reason()
+        if reason and self.config.recompile == "error" and self._reducer.steps > 0:
+            raise RecompileError(
+                f"rank {self._rank}: TorchDynamo is recompiling after {self._reducer.steps} step(s) because "
+                f"guard {reason!r} failed, and recompile='error' forbids recompiles after warm-up. Keep "
+                "input shapes, dtypes and module flags (train/eval) constant, mark varying dimensions "
+                "with torch._dynamo.mark_dynamic(x, dim) or wrap(..., dynamic=True) before the first "
+                "step, or use recompile='allow'."
+            )
         before = _compile_counters()
         graph_id = next(self._graph_ids)
         s = self._settings
@@ -292,11 +315,10 @@ class DistCompiledModule(nn.Module):
             compile_s=time.perf_counter() - t0,
             num_nodes=len(captured.nodes),
             segment_compile_s=tuple(segment_s),
-            graph_breaks=tuple(sorted(after["breaks"] - self._seen_breaks)),
-            recompile_reason=_recompile_reason(),
+            graph_break=graph_break_reason(gm),
+            recompile_reason=reason,
             cache_hits=after["hits"] - before["hits"],
         )
-        self._seen_breaks |= after["breaks"]
         self.graphs.append(record)
         log.info(
             "graph %d: %d nodes -> %d segments, %d buckets, compiled in %.2f s",
@@ -316,7 +338,7 @@ class DistCompiledModule(nn.Module):
                 end=t0 + record.compile_s,
                 segment_s=segment_s,
                 plan_table=plan.describe(),
-                breaks=record.graph_breaks,
+                breaks=[record.graph_break] if record.graph_break else [],
                 recompile_reason=record.recompile_reason,
                 cache_hits=record.cache_hits,
             )

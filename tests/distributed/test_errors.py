@@ -23,3 +23,18 @@ def test_desync_missing_rank_times_out_with_a_clear_error() -> None:
     assert "rank(s) [1] did not compile graph 0 within 3 s" in msg
     seconds = float(msg.split("s ", 1)[0])
     assert seconds < 30, msg
+
+
+def test_recompile_error_after_warmup() -> None:
+    for msg in run_ranks(workers.recompile_forbidden, 2):
+        assert "recompile='error' forbids recompiles" in msg, msg
+        assert "size mismatch" in msg and "mark_dynamic" in msg, msg
+
+
+def test_mark_dynamic_passes_through() -> None:
+    assert run_ranks(workers.dynamic_no_recompile, 2) == [1, 1]
+
+
+def test_fullgraph_names_the_break() -> None:
+    for msg in run_ranks(workers.fullgraph_break, 2):
+        assert "graph_break()" in msg and "models.py" in msg, msg

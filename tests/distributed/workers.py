@@ -214,5 +214,36 @@ def compile_events(rank: int, world: int, logdir: str) -> dict:
     for n in (4, 4, 6):
         model(torch.randn(n, 64)).sum().backward()
     model.close()
-    return {"breaks": [b for g in model.graphs for b in g.graph_breaks],
+    return {"breaks": [g.graph_break for g in model.graphs if g.graph_break],
             "recompiles": [g.recompile_reason for g in model.graphs if g.recompile_reason]}
+
+
+def recompile_forbidden(rank: int, world: int) -> str:
+    """recompile='error': a batch-size change after warm-up raises on every rank."""
+    model = distcompile.wrap(DDP(BUILDERS["mlp_seq"]()), backend="eager", recompile="error")
+    model(torch.randn(4, 64)).sum().backward()
+    model(torch.randn(4, 64)).sum().backward()
+    try:
+        model(torch.randn(6, 64)).sum().backward()
+    except distcompile.RecompileError as e:
+        return str(e)
+    return "no error"
+
+
+def dynamic_no_recompile(rank: int, world: int) -> int:
+    """With mark_dynamic before the first step, a batch-size change does not recompile."""
+    model = distcompile.wrap(DDP(BUILDERS["mlp_seq"]()), backend="aot_eager", recompile="error")
+    for n in (4, 6, 9):
+        x = torch.randn(n, 64)
+        torch._dynamo.mark_dynamic(x, 0)
+        model(x).sum().backward()
+    return len(model.graphs)
+
+
+def fullgraph_break(rank: int, world: int) -> str:
+    model = distcompile.wrap(DDP(BUILDERS["graph_break"]()), backend="eager", fullgraph=True)
+    try:
+        model(torch.randn(4, 64))
+    except Exception as e:  # noqa: BLE001 - TorchDynamo's own error type is the point
+        return f"{type(e).__name__}: {e}"
+    return "no error"
