@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -168,6 +169,7 @@ def graph_break_reason(gm: fx.GraphModule) -> str | None:
     if reason is None or not getattr(reason, "graph_break", False):
         return None
     text = " ".join(str(reason.reason).split())
+    text = re.sub(r" Developer debug context:.*?(?= For more details|$)", "", text)  # internal detail
     stack = getattr(reason, "user_stack", None) or []
     if stack:
         frame = stack[-1]
