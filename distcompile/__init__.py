@@ -6,7 +6,9 @@ Example:
 """
 
 from ._config import Config
+from ._doctor import DoctorReport, StageResult, doctor
 from ._errors import ConfigError, DesyncError, DistCompileError, RecompileError, UnsupportedModelError
+from ._explain import ExplainedGraph, Explanation, explain
 from ._planning import Bucket, NodeInfo, Plan, plan_graph
 from ._wrap import DistCompiledModule, GraphRecord, wrap
 
@@ -17,11 +19,17 @@ __all__ = [
     "DesyncError",
     "DistCompileError",
     "DistCompiledModule",
+    "DoctorReport",
+    "ExplainedGraph",
+    "Explanation",
     "GraphRecord",
     "NodeInfo",
     "Plan",
     "RecompileError",
+    "StageResult",
     "UnsupportedModelError",
+    "doctor",
+    "explain",
     "plan_graph",
     "wrap",
 ]

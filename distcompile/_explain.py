@@ -82,7 +82,9 @@ class Explanation:
                 lines.append(f"  ends at a graph break: {g.graph_break}")
             for b in p.buckets:
                 start, stop = p.segments[b.segment]
-                names = ", ".join(b.params[:6]) + (f", ... ({len(b.params)} total)" if len(b.params) > 6 else "")
+                names = ", ".join(b.params[:6]) + (
+                    f", ... ({len(b.params)} total)" if len(b.params) > 6 else ""
+                )
                 lines.append(
                     f"  bucket {b.index}: segment {b.segment} (nodes {start}-{stop - 1}), "
                     f"{_fmt_bytes(b.nbytes)}: {names}"
@@ -91,12 +93,16 @@ class Explanation:
                 lines.append(f"  reads parameters bucketed by an earlier graph: {', '.join(p.foreign)}")
         if self.shared:
             lines.append("")
-            lines.append("parameters read more than once (bucketed once, with the first use): " +
-                         ", ".join(f"{n} x{c}" for n, c in self.shared.items()))
+            lines.append(
+                "parameters read more than once (bucketed once, with the first use): "
+                + ", ".join(f"{n} x{c}" for n, c in self.shared.items())
+            )
         if self.not_in_graphs:
             lines.append("")
-            lines.append("parameters no graph reads (unused, or read only by eager code): " +
-                         ", ".join(self.not_in_graphs))
+            lines.append(
+                "parameters no graph reads (unused, or read only by eager code): "
+                + ", ".join(self.not_in_graphs)
+            )
         if self.advice:
             lines.append("")
             lines.append("advice:")
@@ -126,7 +132,9 @@ def explain(
     if not isinstance(inner, nn.Module):
         from ._errors import UnsupportedModelError
 
-        raise UnsupportedModelError(f"explain expects a torch.nn.Module or DDP model, got {type(model).__name__}.")
+        raise UnsupportedModelError(
+            f"explain expects a torch.nn.Module or DDP model, got {type(model).__name__}."
+        )
     if bucket_cap_mb is not None:
         cap = int(bucket_cap_mb * _MB)
     elif isinstance(model, DDP):
@@ -147,7 +155,9 @@ def explain(
 
     def record(gm: fx.GraphModule, inputs: list) -> object:
         captured = read_graph(gm, inputs, names_by_id)
-        plan = plan_graph(captured.nodes, param_bytes, bucket_cap=cap, first_bucket_cap=first, owned_elsewhere=owned)
+        plan = plan_graph(
+            captured.nodes, param_bytes, bucket_cap=cap, first_bucket_cap=first, owned_elsewhere=owned
+        )
         owned.update(plan.first_use)
         reads = tuple(n for n in param_bytes if n in plan.first_use or n in plan.foreign)
         graphs.append(ExplainedGraph(len(graphs), len(captured.nodes), graph_break_reason(gm), plan, reads))

@@ -154,7 +154,9 @@ def _settings(model: nn.Module, cfg: Config) -> tuple[nn.Module, _DDPSettings]:
 
 def _compile_counters() -> dict:
     counters = torch._dynamo.utils.counters
-    hits = counters["inductor"].get("fxgraph_cache_hit", 0) + counters["aot_autograd"].get("autograd_cache_hit", 0)
+    hits = counters["inductor"].get("fxgraph_cache_hit", 0) + counters["aot_autograd"].get(
+        "autograd_cache_hit", 0
+    )
     return {"hits": hits}
 
 
@@ -185,7 +187,11 @@ def _recompile_reason() -> str | None:
     except Exception:  # noqa: BLE001 - private API, best effort
         return None
     reason = metrics.get("recompile_reason") if isinstance(metrics, dict) else None
-    return str(reason) if reason else None
+    if not reason or "BACKEND_MATCH" in str(reason):
+        # BACKEND_MATCH: another wrap() of the same model class compiled this code first
+        # (each wrapped model is its own backend); for this model it is a first compile.
+        return None
+    return str(reason)
 
 
 def _make_telemetry(config: Config, rank: int, first_rank: int) -> Telemetry | None:

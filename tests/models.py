@@ -275,7 +275,9 @@ class Checkpointed(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(3))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(3)
+        )
         self.head = nn.Linear(64, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -298,3 +300,43 @@ BUILDERS.update(
         "checkpoint": Checkpointed,
     }
 )
+
+
+class DivergesWhenCompiled(nn.Module):
+    """Computes something else under compile: the doctor must flag the first stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return h * 1.5 if torch.compiler.is_compiling() else h
+
+
+@torch.library.custom_op("distcompile_tests::bad_fake", mutates_args=())
+def bad_fake(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@bad_fake.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], 3)  # wrong shape: only compiled code sees it
+
+
+bad_fake.register_autograd(lambda ctx, grad: grad)
+
+
+class CrashesWhenCompiled(nn.Module):
+    """Runs eagerly, but its custom op's fake implementation is wrong, so tracing fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(bad_fake(self.a(x)))
+
+
+BUILDERS.update({"diverges": DivergesWhenCompiled, "crashes": CrashesWhenCompiled})

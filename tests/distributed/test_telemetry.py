@@ -140,8 +140,12 @@ def test_tensorboard_server_lists_our_runs_and_tags(run) -> None:
 def test_graph_breaks_and_recompiles_are_reported(tmp_path: Path) -> None:
     res = run_ranks(workers.compile_events, 2, str(tmp_path))[0]
     assert res["breaks"], "the model calls torch._dynamo.graph_break(): a reason must be recorded"
-    assert any("size mismatch" in r and "expected 4, actual 6" in r for r in res["recompiles"]), res["recompiles"]
+    assert any("size mismatch" in r and "expected 4, actual 6" in r for r in res["recompiles"]), res[
+        "recompiles"
+    ]
     acc = _scalars(tmp_path)
     assert acc.Scalars("compile/recompiles")[-1].value >= 1
     assert acc.Scalars("compile/graph_breaks")[-1].value >= 1
-    assert {"compile/recompile_reasons/text_summary", "compile/graph_breaks/text_summary"} <= set(acc.Tags()["tensors"])
+    assert {"compile/recompile_reasons/text_summary", "compile/graph_breaks/text_summary"} <= set(
+        acc.Tags()["tensors"]
+    )

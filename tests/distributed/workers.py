@@ -214,8 +214,10 @@ def compile_events(rank: int, world: int, logdir: str) -> dict:
     for n in (4, 4, 6):
         model(torch.randn(n, 64)).sum().backward()
     model.close()
-    return {"breaks": [g.graph_break for g in model.graphs if g.graph_break],
-            "recompiles": [g.recompile_reason for g in model.graphs if g.recompile_reason]}
+    return {
+        "breaks": [g.graph_break for g in model.graphs if g.graph_break],
+        "recompiles": [g.recompile_reason for g in model.graphs if g.recompile_reason],
+    }
 
 
 def recompile_forbidden(rank: int, world: int) -> str:
@@ -247,3 +249,18 @@ def fullgraph_break(rank: int, world: int) -> str:
     except Exception as e:  # noqa: BLE001 - TorchDynamo's own error type is the point
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def doctor_run(rank: int, world: int, model_name: str, stages: tuple) -> dict:
+    torch.manual_seed(0)
+    model = DDP(BUILDERS[model_name]())
+    x, y = batch(model_name, rank, 0)
+    report = distcompile.doctor(
+        model, (x,), lambda out: loss_fn(model_name, out, y), stages=stages, timeout_s=60
+    )
+    return {
+        "text": str(report),
+        "first_bad": report.first_bad_stage,
+        "agree": report.ranks_agree,
+        "status": {s: [r.status for r in rs] for s, rs in report.results.items()},
+    }
