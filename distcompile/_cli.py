@@ -25,9 +25,25 @@ def main(argv: list[str] | None = None) -> int:
         "--backend", choices=BACKENDS, default="inductor", help="segment compiler (default inductor)"
     )
     demo.add_argument("--logdir", default="runs/demo", help="TensorBoard directory (default runs/demo)")
+    exp = sub.add_parser("explain", help="show graphs, graph breaks, segments and buckets of the example GPT")
+    exp.add_argument("--n-layer", type=int, default=4)
+    exp.add_argument("--n-embd", type=int, default=128)
+    exp.add_argument("--bucket-cap-mb", type=float, default=None, help="bucket cap (default: DDP's 25 MiB)")
+    exp.add_argument("--first-bucket-cap-mb", type=float, default=None)
     report = sub.add_parser("report", help="summarize the telemetry a run wrote under LOGDIR")
     report.add_argument("logdir", help="the logdir given to distcompile.wrap (or distcompile demo)")
     args = parser.parse_args(argv)
+    if args.command == "explain":
+        import torch
+
+        from ._explain import explain
+        from .models import GPT, GPTConfig
+
+        cfg = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd)
+        idx = torch.zeros(2, cfg.block_size, dtype=torch.long)
+        print(f"example GPT: {cfg}")
+        print(explain(GPT(cfg), idx, bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb))
+        return 0
     if args.command == "report":
         from ._report import find_runs, summarize
 

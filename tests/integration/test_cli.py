@@ -76,3 +76,10 @@ def test_example_trainer_under_torchrun(tmp_path: Path) -> None:
 def test_cli_rejects_bad_arguments() -> None:
     proc = run("-m", "distcompile._cli", "demo", "--steps", "1", timeout=60)
     assert proc.returncode == 2 and "--steps" in proc.stderr
+
+
+def test_explain_cli() -> None:
+    proc = run("-m", "distcompile._cli", "explain", "--n-layer", "2", "--bucket-cap-mb", "0.2", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "1 graph(s), 0 graph break(s)" in proc.stdout and "bucket 0:" in proc.stdout, proc.stdout
+    assert "wte.weight x2" in proc.stdout
