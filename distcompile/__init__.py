@@ -7,13 +7,22 @@ Example:
 
 from ._config import Config
 from ._doctor import DoctorReport, StageResult, doctor
-from ._errors import ConfigError, DesyncError, DistCompileError, RecompileError, UnsupportedModelError
+from ._errors import (
+    CommunicationError,
+    ConfigError,
+    DesyncError,
+    DistCompileError,
+    NonFiniteGradientError,
+    RecompileError,
+    UnsupportedModelError,
+)
 from ._explain import ExplainedGraph, Explanation, explain
 from ._planning import Bucket, NodeInfo, Plan, plan_graph
 from ._wrap import DistCompiledModule, GraphRecord, wrap
 
 __all__ = [
     "Bucket",
+    "CommunicationError",
     "Config",
     "ConfigError",
     "DesyncError",
@@ -24,6 +33,7 @@ __all__ = [
     "Explanation",
     "GraphRecord",
     "NodeInfo",
+    "NonFiniteGradientError",
     "Plan",
     "RecompileError",
     "StageResult",

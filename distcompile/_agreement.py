@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ._errors import DesyncError
 
-__all__ = ["check_agreement", "default_store"]
+__all__ = ["check_agreement", "default_store", "mark_failed", "failed_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,8 @@ def check_agreement(
     ranks: list[int],
     timeout_s: float,
     what: str,
+    fix: str = "Ranks must capture identical graphs (same model code, same input shapes and dtypes, "
+    "same parameters).",
 ) -> None:
     """Publish ``summary`` under ``key`` and raise :class:`DesyncError` unless all ``ranks`` agree.
 
@@ -45,6 +47,7 @@ def check_agreement(
         ranks: Global ranks that must publish.
         timeout_s: How long to wait for the other ranks.
         what: A short description for the error message (e.g. ``"graph 2"``).
+        fix: What the user should change, for the mismatch message.
 
     Example:
         >>> # check_agreement(default_store(), "wrap0/graph0", text, rank=r, ranks=[0, 1],
@@ -80,8 +83,27 @@ def check_agreement(
             )
             raise DesyncError(
                 f"rank {rank}: {what} differs between rank {rank} and rank {r}; continuing would "
-                "issue mismatched all-reduces and hang. Ranks must capture identical graphs "
-                "(same model code, same input shapes and dtypes, same parameters). "
-                f"First differences:\n{diff}"
+                f"issue mismatched all-reduces or train apart. {fix} First differences:\n{diff}"
             )
     log.debug("%s agrees across ranks %s", what, ranks)
+
+
+def mark_failed(store: dist.Store, prefix: str, rank: int, what: str) -> None:
+    """Record that ``rank`` raised, so peers waiting on it can name it. Never raises."""
+    try:
+        store.set(f"{prefix}/failed/{rank}", what[:2000])
+    except Exception:  # noqa: BLE001 - the store may be gone too; the original error matters more
+        log.debug("could not record the failure of rank %d in the store", rank)
+
+
+def failed_ranks(store: dist.Store, prefix: str, ranks: list[int]) -> dict[int, str]:
+    """Ranks that recorded a failure under ``prefix``, with what they recorded."""
+    out = {}
+    for r in ranks:
+        key = f"{prefix}/failed/{r}"
+        try:
+            if store.check([key]):
+                out[r] = store.get(key).decode()
+        except Exception:  # noqa: BLE001 - a store that is down cannot tell us more
+            break
+    return out

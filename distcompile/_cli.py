@@ -42,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd)
         idx = torch.zeros(2, cfg.block_size, dtype=torch.long)
         print(f"example GPT: {cfg}")
-        print(explain(GPT(cfg), idx, bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb))
+        print(
+            explain(
+                GPT(cfg), idx, bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb
+            )
+        )
         return 0
     if args.command == "report":
         from ._report import find_runs, summarize

@@ -39,14 +39,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from ._errors import UnsupportedModelError
+from ._errors import CommunicationError, DistCompileError, NonFiniteGradientError, UnsupportedModelError
 from ._timeline import Span, StepTimeline
 
 if TYPE_CHECKING:
@@ -147,6 +147,12 @@ class _FlatBucket:
 
             self.work.get_future().then(done)
 
+    def nonfinite(self) -> list[str]:
+        """Names of parameters whose synchronized gradient holds NaN or Inf."""
+        if bool(torch.isfinite(self.wire[: self.numel]).all()):
+            return []
+        return [n for n, v in zip(self.names, self.wire_views) if not bool(torch.isfinite(v).all())]
+
     def finish(self) -> None:
         assert self.work is not None, "finish() before launch()"
         self.work.wait()
@@ -216,9 +222,13 @@ class BucketReducer:
         compression: str | None,
         grad_as_view: bool,
         telemetry: Telemetry | None = None,
+        detect_nonfinite: bool = False,
+        describe_peers: Callable[[], str] = lambda: "",
     ) -> None:
         self.params = dict(params)
         self.telemetry = telemetry
+        self.detect_nonfinite = detect_nonfinite
+        self.describe_peers = describe_peers
         self.steps = 0
         self.group = group
         self.compression = compression
@@ -331,8 +341,20 @@ class BucketReducer:
             bucket = order[step.cursor]
             if not all_remaining and bucket.n_ready < len(bucket.params):
                 return
-            bucket.launch(self.group, scale, self.telemetry.timeline if self.telemetry else None)
+            try:
+                bucket.launch(self.group, scale, self.telemetry.timeline if self.telemetry else None)
+            except DistCompileError:
+                raise
+            except Exception as exc:
+                raise self._comm_error(bucket, "launching", exc) from exc
             step.cursor += 1
+
+    def _comm_error(self, bucket: _FlatBucket, doing: str, exc: Exception) -> CommunicationError:
+        return CommunicationError(
+            f"rank {dist.get_rank()}: {doing} the all-reduce of bucket {bucket.index} "
+            f"({bucket.nbytes} bytes, {len(bucket.params)} parameters) in step {self.steps} failed: "
+            f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}. {self.describe_peers()}"
+        )
 
     def _finish_step(self) -> None:
         step = self._step
@@ -342,7 +364,21 @@ class BucketReducer:
         t0 = time.perf_counter()
         self._launch_ready(step, all_remaining=True)
         for bucket in step.order:
-            bucket.finish()
+            try:
+                bucket.finish()
+            except Exception as exc:
+                raise self._comm_error(bucket, "waiting for", exc) from exc
+        if self.detect_nonfinite:
+            for bucket in step.order:
+                bad = bucket.nonfinite()
+                if bad:
+                    raise NonFiniteGradientError(
+                        f"step {self.steps}: bucket {bucket.index} holds NaN/Inf gradients after the "
+                        f"all-reduce, in {', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}. Every rank "
+                        "stops here (they all see the same averaged gradients). Lower the learning rate, "
+                        "check the inputs of this step, or use a loss scaler; set detect_nonfinite=False "
+                        "to skip the check."
+                    )
         t1 = time.perf_counter()
         self.last_step = StepStats(
             step=self.steps,

@@ -44,6 +44,12 @@ class Config:
         recompile: ``"allow"`` recompiles (each one is logged with the guard that
             failed) or ``"error"``: after the first synchronized step, a recompile raises
             :class:`distcompile.RecompileError` naming the guard, for latency-critical runs.
+        check_params: At wrap time, check that every rank holds the same parameter
+            values (a rank that loaded other weights would silently train apart) and raise
+            :class:`distcompile.DesyncError` naming the parameters that differ.
+        detect_nonfinite: After each step's all-reduce, check the gradients for NaN/Inf
+            and raise :class:`distcompile.NonFiniteGradientError` naming the step, bucket
+            and parameters (one reduction per bucket).
         desync_timeout_s: Seconds to wait for every rank to publish its plan before
             raising :class:`distcompile.DesyncError`.
         logdir: Directory for telemetry: TensorBoard scalars, text and a timeline picture
@@ -68,6 +74,8 @@ class Config:
     dynamic: bool | None = None
     cudagraphs: bool = False
     recompile: str = "allow"
+    check_params: bool = True
+    detect_nonfinite: bool = False
     desync_timeout_s: float = 60.0
     logdir: str | None = None
     trace_every: int = 10

@@ -6,7 +6,15 @@ setting or call that fixes it.
 
 from __future__ import annotations
 
-__all__ = ["DistCompileError", "ConfigError", "UnsupportedModelError", "DesyncError", "RecompileError"]
+__all__ = [
+    "DistCompileError",
+    "ConfigError",
+    "UnsupportedModelError",
+    "DesyncError",
+    "RecompileError",
+    "CommunicationError",
+    "NonFiniteGradientError",
+]
 
 
 class DistCompileError(RuntimeError):
@@ -27,3 +35,11 @@ class DesyncError(DistCompileError):
 
 class RecompileError(DistCompileError):
     """A recompile happened after warm-up while ``recompile="error"`` forbids it."""
+
+
+class CommunicationError(DistCompileError):
+    """A gradient all-reduce failed, usually because another rank died or raised."""
+
+
+class NonFiniteGradientError(DistCompileError):
+    """A synchronized gradient holds NaN or Inf (``detect_nonfinite=True``)."""

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ._agreement import check_agreement, default_store
+from ._agreement import check_agreement, default_store, failed_ranks, mark_failed
 from ._capture import read_graph
 from ._comm import BucketReducer, StepStats
 from ._config import Config
@@ -123,6 +123,13 @@ def _settings(model: nn.Module, cfg: Config) -> tuple[nn.Module, _DDPSettings]:
                 "torch.autocast in the training loop and compression='bf16' instead."
             )
         group = model.process_group
+        try:
+            dist.get_process_group_ranks(group)  # raises for a destroyed group
+        except Exception as exc:  # noqa: BLE001 - any failure means the group is unusable
+            raise UnsupportedModelError(
+                f"the DDP model's process group is no longer usable ({type(exc).__name__}: {exc}); it "
+                "was probably destroyed. Build the DDP model on a live process group before wrap()."
+            ) from exc
         cap = cfg.bucket_cap_mb
         cap_bytes = int(cap * _MB) if cap is not None else int(model.bucket_bytes_cap)
         default_cap = cap is None and bool(getattr(model, "bucket_bytes_cap_default", True))
@@ -210,6 +217,41 @@ def _make_telemetry(config: Config, rank: int, first_rank: int) -> Telemetry | N
     )
 
 
+def _param_checksums(module: nn.Module) -> str:
+    # Two exact float64 sums per parameter (plain and position-weighted): equal bytes give
+    # equal sums, and a differing value or a swap changes them. No copy to the host.
+    lines = []
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            flat = p.detach().reshape(-1).double()
+            weights = (
+                torch.arange(flat.numel(), device=flat.device, dtype=torch.float64).remainder_(1009).add_(1)
+            )
+            lines.append(
+                f"{name} {tuple(p.shape)} {p.dtype} {float(flat.sum())!r} {float((flat * weights).sum())!r}"
+            )
+    return "\n".join(lines)
+
+
+_param_checks = itertools.count()
+
+
+def _check_same_params(module: nn.Module, settings: _DDPSettings, cfg: Config) -> None:
+    ranks = dist.get_process_group_ranks(settings.group or dist.group.WORLD)
+    check_agreement(
+        default_store(),
+        f"distcompile/params{next(_param_checks)}",
+        _param_checksums(module),
+        rank=dist.get_rank(),
+        ranks=ranks,
+        timeout_s=cfg.desync_timeout_s,
+        what="the parameter values at wrap time",
+        fix="DDP broadcast rank 0's parameters when it was built; they changed since on some rank "
+        "(e.g. a checkpoint loaded on one rank only). Load the same weights on every rank before "
+        "wrap(), or wrap(..., check_params=False) to skip this check.",
+    )
+
+
 def _pick(option: bool | None, inherited: bool) -> bool:
     return inherited if option is None else option
 
@@ -243,6 +285,7 @@ class DistCompiledModule(nn.Module):
         self._sync = True
         self._require_forward_param_sync = True
         self._wrap_id = next(_wrap_ids)
+        self._store_prefix = f"distcompile/wrap{self._wrap_id}"
         self._graph_ids = itertools.count()
         self._rank = dist.get_rank()
         self._ranks = dist.get_process_group_ranks(settings.group or dist.group.WORLD)
@@ -256,6 +299,8 @@ class DistCompiledModule(nn.Module):
             compression=settings.compression,
             grad_as_view=settings.grad_as_view,
             telemetry=self._telemetry,
+            detect_nonfinite=config.detect_nonfinite,
+            describe_peers=self._describe_peers,
         )
         self._compiler = inner_compiler(
             config.backend, mode=config.mode, cudagraphs=config.cudagraphs, dynamic=config.dynamic
@@ -296,7 +341,7 @@ class DistCompiledModule(nn.Module):
         summary = f"inputs: {shapes}\n{gm.code.strip()}\nplan:\n{plan.describe()}"
         check_agreement(
             default_store(),
-            f"distcompile/wrap{self._wrap_id}/graph{graph_id}",
+            f"{self._store_prefix}/graph{graph_id}",
             summary,
             rank=self._rank,
             ranks=self._ranks,
@@ -372,13 +417,31 @@ class DistCompiledModule(nn.Module):
             )
         try:
             return self._compiled(*args, **kwargs)
-        except torch._dynamo.exc.BackendCompilerFailed as exc:
+        except Exception as exc:
+            # Peers blocked in an all-reduce with this rank can then name it.
+            mark_failed(default_store(), self._store_prefix, self._rank, f"{type(exc).__name__}: {exc}")
             # Our own errors raised while planning inside the backend arrive wrapped by
             # TorchDynamo; show the user the distcompile error itself.
             inner = getattr(exc, "inner_exception", None)
-            if isinstance(inner, DistCompileError):
+            if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed) and isinstance(
+                inner, DistCompileError
+            ):
                 raise inner.with_traceback(None) from None
             raise
+
+    def _describe_peers(self) -> str:
+        others = [r for r in self._ranks if r != self._rank]
+        failed = failed_ranks(default_store(), self._store_prefix, others)
+        if failed:
+            return "; ".join(
+                f"rank {r} raised first: {' '.join(what.split())[:1000]}" for r, what in failed.items()
+            )
+        return (
+            "No other rank recorded an error in its forward: a peer process was probably killed, "
+            "raised in backward, or lost its network; its own log (or the launcher's) says why. "
+            "Waiting on a dead peer is bounded by the process group's timeout "
+            "(init_process_group(timeout=...))."
+        )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -453,6 +516,8 @@ def wrap(model: nn.Module, config: Config | None = None, **options: object) -> D
             f"cudagraphs=True needs a model on CUDA, but its parameters are on {device}. "
             "CUDA graphs record GPU kernels only; drop cudagraphs=True on this machine."
         )
+    if isinstance(model, DDP) and cfg.check_params:
+        _check_same_params(inner, settings, cfg)
     if not isinstance(model, DDP):
         group = dist.group.WORLD
         dist._verify_params_across_processes(group, params)

@@ -59,10 +59,13 @@ def _child(fn: Callable, rank: int, world: int, init_file: str, results: Any, ar
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 300) -> list[Any]:
+def run_ranks(
+    fn: Callable, world: int, *args: Any, timeout: float = 300, may_die: tuple[int, ...] = ()
+) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result.
 
-    ``fn`` must be importable (a module-level function).
+    ``fn`` must be importable (a module-level function). Ranks in ``may_die`` may exit
+    without a result (their result is ``None``), for tests that kill a rank on purpose.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -79,6 +82,11 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 300) -> lis
         deadline = time.monotonic() + timeout
         try:
             while len(out) + len(errors) < world:
+                if all(
+                    r in out or r in errors or (r in may_die and procs[r].exitcode is not None)
+                    for r in range(world)
+                ):
+                    break
                 try:
                     rank, status, value = results.get(timeout=1.0)
                 except queue.Empty:
@@ -90,7 +98,10 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 300) -> lis
                     dead = [
                         r
                         for r, p in enumerate(procs)
-                        if p.exitcode not in (None, 0) and r not in out and r not in errors
+                        if p.exitcode not in (None, 0)
+                        and r not in out
+                        and r not in errors
+                        and r not in may_die
                     ]
                     if dead and results.empty():
                         time.sleep(1.0)
@@ -111,4 +122,4 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 300) -> lis
                     p.join()
         if errors:
             raise RankFailure("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
-        return [out[r] for r in range(world)]
+        return [out.get(r) for r in range(world)]

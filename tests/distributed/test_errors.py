@@ -38,3 +38,32 @@ def test_mark_dynamic_passes_through() -> None:
 def test_fullgraph_names_the_break() -> None:
     for msg in run_ranks(workers.fullgraph_break, 2):
         assert "graph_break()" in msg and "models.py" in msg, msg
+
+
+def test_peer_raising_in_forward_is_named() -> None:
+    msg = run_ranks(workers.peer_failure, 2, "raise", timeout=180)[0]
+    assert "rank 1 raised first: TorchRuntimeError" in msg and "same reduction dim" in msg, msg
+    assert float(msg.split("s ", 1)[0]) < 60, msg
+
+
+def test_killed_peer_gives_an_error_not_a_hang() -> None:
+    msg = run_ranks(workers.peer_failure, 2, "kill", timeout=180, may_die=(1,))[0]
+    assert "No other rank recorded an error" in msg and "bucket" in msg, msg
+    assert float(msg.split("s ", 1)[0]) < 60, msg
+
+
+def test_parameters_differing_across_ranks_are_detected() -> None:
+    for msg in run_ranks(workers.params_differ, 2):
+        assert "parameter values at wrap time differs" in msg and "2.0.weight" in msg, msg
+        assert "check_params=False" in msg
+
+
+def test_nonfinite_gradients_stop_every_rank() -> None:
+    for msg in run_ranks(workers.nonfinite, 2):
+        assert msg.startswith("step 1: bucket") and "NaN/Inf" in msg, msg
+        assert "0.0.weight" in msg, msg
+
+
+def test_destroyed_process_group() -> None:
+    for msg in run_ranks(workers.dead_group, 2):
+        assert "process group is no longer usable" in msg, msg

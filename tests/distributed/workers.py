@@ -264,3 +264,65 @@ def doctor_run(rank: int, world: int, model_name: str, stages: tuple) -> dict:
         "agree": report.ranks_agree,
         "status": {s: [r.status for r in rs] for s, rs in report.results.items()},
     }
+
+
+def peer_failure(rank: int, world: int, how: str) -> str | None:
+    """Rank 1 fails at step 2 (raises in forward, or is SIGKILLed); rank 0 must get a clear error fast."""
+    import os
+    import signal
+    import time
+
+    torch.manual_seed(0)
+    model = distcompile.wrap(DDP(BUILDERS["mlp_seq"](), bucket_cap_mb=0.01), backend="eager")
+    for step in range(4):
+        x = torch.randn(4, 64)
+        if rank == 1 and step == 2:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            x = torch.randn(4, 63)  # a bad batch: the first Linear raises in forward
+        t0 = time.monotonic()
+        try:
+            model(x).sum().backward()
+        except distcompile.CommunicationError as e:
+            return f"{time.monotonic() - t0:.1f}s {e}"
+        except Exception as e:  # noqa: BLE001 - rank 1's own, intended failure
+            if rank == 1:
+                return f"raised {type(e).__name__}"
+            raise
+    return "no error"
+
+
+def params_differ(rank: int, world: int) -> str:
+    ddp = DDP(BUILDERS["mlp_seq"]())
+    if rank == 1:
+        with torch.no_grad():
+            ddp.module[2][0].weight.add_(1.0)  # e.g. a checkpoint loaded on one rank only
+    try:
+        distcompile.wrap(ddp, backend="eager")
+    except distcompile.DesyncError as e:
+        return str(e)
+    return "no error"
+
+
+def nonfinite(rank: int, world: int) -> str:
+    model = distcompile.wrap(DDP(BUILDERS["mlp_seq"]()), backend="eager", detect_nonfinite=True)
+    model(torch.randn(4, 64)).sum().backward()
+    x = torch.randn(4, 64)
+    if rank == 0:
+        x[0, 0] = float("inf")
+    try:
+        model(x).sum().backward()
+    except distcompile.NonFiniteGradientError as e:
+        return str(e)
+    return "no error"
+
+
+def dead_group(rank: int, world: int) -> str:
+    sub = dist.new_group([0, 1])
+    ddp = DDP(BUILDERS["mlp_seq"](), process_group=sub)
+    dist.destroy_process_group(sub)
+    try:
+        distcompile.wrap(ddp)
+    except distcompile.UnsupportedModelError as e:
+        return str(e)
+    return "no error"
