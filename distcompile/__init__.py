@@ -5,6 +5,7 @@ Example:
     >>> # model = distcompile.wrap(DDP(MyModel()), backend="inductor")
 """
 
+from ._checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ._config import Config
 from ._doctor import DoctorReport, StageResult, doctor
 from ._errors import (
@@ -40,7 +41,10 @@ __all__ = [
     "UnsupportedModelError",
     "doctor",
     "explain",
+    "latest_checkpoint",
+    "load_checkpoint",
     "plan_graph",
+    "save_checkpoint",
     "wrap",
 ]
 
