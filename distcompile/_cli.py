@@ -32,6 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--first-bucket-cap-mb", type=float, default=None)
     report = sub.add_parser("report", help="summarize the telemetry a run wrote under LOGDIR")
     report.add_argument("logdir", help="the logdir given to distcompile.wrap (or distcompile demo)")
+    sub.add_parser(
+        "bench",
+        help="the overlap benchmark (all arguments go to it; see distcompile bench -h)",
+        add_help=False,
+    )
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["bench"]:
+        from ._bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "explain":
         import torch

@@ -122,6 +122,12 @@ def _settings(model: nn.Module, cfg: Config) -> tuple[nn.Module, _DDPSettings]:
                 f"DDP mixed_precision={model.mixed_precision!r} is not supported. Use "
                 "torch.autocast in the training loop and compression='bf16' instead."
             )
+        if getattr(model, "_use_python_reducer", False):
+            raise UnsupportedModelError(
+                "the DDP model was built while torch._dynamo.config.optimize_ddp='python_reducer', so "
+                "its Python reducer all-reduces every gradient itself and distcompile would communicate "
+                "twice. Build the DDP model with the default optimize_ddp (True) before wrap()."
+            )
         group = model.process_group
         try:
             dist.get_process_group_ranks(group)  # raises for a destroyed group

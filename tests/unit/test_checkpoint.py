@@ -24,8 +24,9 @@ def test_keep_last_k_and_resume_rng(tmp_path: Path) -> None:
     for step in range(5):
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
-        distcompile.save_checkpoint(str(tmp_path), model=model, optimizer=opt, step=step, keep=2,
-                                    extra={"epoch": step // 2})
+        distcompile.save_checkpoint(
+            str(tmp_path), model=model, optimizer=opt, step=step, keep=2, extra={"epoch": step // 2}
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003.pt", "step-00000004.pt"]
     expected_next = torch.randn(3)  # the RNG draw right after the last save
     fresh = nn.Linear(4, 4)

@@ -61,3 +61,10 @@ def test_already_compiled(single_rank_group) -> None:
     wrapped = distcompile.wrap(DDP(nn.Linear(2, 2)), backend="eager")
     with pytest.raises(UnsupportedModelError, match="already compiled"):
         distcompile.wrap(wrapped)
+
+
+def test_ddp_with_python_reducer_rejected(single_rank_group) -> None:
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+        ddp = DDP(nn.Linear(2, 2))
+    with pytest.raises(UnsupportedModelError, match="communicate twice"):
+        distcompile.wrap(ddp)
