@@ -277,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block", type=int, default=5, help="steps per variant per round")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--small", action="store_true", help="a tiny model (for tests)")
+    p.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="DDP bucket_cap_mb for every variant (default: DDP's default)",
+    )
     p.add_argument("--no-warm", action="store_true", help="skip the warm-cache first-step measurement")
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--timeout", type=float, default=3600)
@@ -506,7 +512,9 @@ def _worker(args: argparse.Namespace, names: list[str]) -> None:
     def build(name: str) -> _Variant:
         # Read when DDP is built: "python_reducer" makes DDP all-reduce from Python hooks.
         torch._dynamo.config.optimize_ddp = "python_reducer" if name == "compiled_autograd" else True
-        ddp = DDP(fresh(name), bucket_cap_mb=25)
+        # Every variant gets the same DDP bucketing: DDP's defaults (25 MiB, 1 MiB first bucket)
+        # unless --bucket-cap-mb is given, which (as in DDP) also sets the first bucket's size.
+        ddp = DDP(fresh(name), **({"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {}))
         mode, ctx = None, contextlib.nullcontext
         if name == "ddp":
             model = ddp
@@ -587,7 +595,8 @@ def _worker(args: argparse.Namespace, names: list[str]) -> None:
             "block": args.block,
             "warmup": args.warmup,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-            "model": f"GPT {nparams / 1e6:.2f}M parameters ({cfg}), batch {batch}",
+            "model": f"GPT {nparams / 1e6:.2f}M parameters ({cfg}), batch {batch}; DDP bucket_cap_mb "
+            + (f"{args.bucket_cap_mb:g}" if args.bucket_cap_mb else "default (25 MiB, first bucket 1 MiB)"),
         }
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "floor": floor, "variants": results}, f, indent=2)
