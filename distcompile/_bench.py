@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import resource
-import shutil
 import signal
 import socket
 import statistics
@@ -33,9 +32,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+from ._netns import can_make_namespaces, veth_pair
 
 __all__ = ["main", "VARIANTS"]
 
@@ -57,71 +57,25 @@ _RATES = {"1gbit": 1e9, "200mbit": 200e6}
 @contextlib.contextmanager
 def _shaped_link(link: str) -> Iterator[tuple[list[str], list[str], list[str]] | None]:
     """Two namespaces joined by a tbf-shaped veth pair; yields (namespaces, devices, addresses)."""
-    if link == "loopback":
-        yield None
-        return
-    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
-        print(
-            f"[bench] cannot shape a {link} link here (needs root, ip and tc from iproute2: "
-            "apt-get install iproute2); running on loopback instead",
-            flush=True,
-        )
-        yield None
-        return
-    tag = uuid.uuid4().hex[:6]
-    ns, dev, addr = (
-        [f"dcb{tag}{i}" for i in "ab"],
-        [f"dcb{tag}{i}" for i in "01"],
-        ["10.213.9.1", "10.213.9.2"],
-    )
-    made: list[str] = []
-
-    def sh(*cmd: str) -> None:
-        subprocess.run(cmd, check=True, capture_output=True, timeout=30)
-
-    def cleanup(*_: object) -> None:
-        for n in made:
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)
-        made.clear()
-
-    old = signal.signal(signal.SIGTERM, lambda *a: (cleanup(), sys.exit(143)))
-    try:
-        for n in ns:
-            sh("ip", "netns", "add", n)
-            made.append(n)
-        sh("ip", "link", "add", dev[0], "type", "veth", "peer", "name", dev[1])
-        for n, d, a in zip(ns, dev, addr):
-            sh("ip", "link", "set", d, "netns", n)
-            sh("ip", "-n", n, "addr", "add", f"{a}/24", "dev", d)
-            sh("ip", "-n", n, "link", "set", d, "up")
-            sh("ip", "-n", n, "link", "set", "lo", "up")
-            # tbf: rate limit; burst sized for the rate, queue bounded by latency.
-            sh(
-                "ip",
-                "netns",
-                "exec",
-                n,
-                "tc",
-                "qdisc",
-                "add",
-                "dev",
-                d,
-                "root",
-                "tbf",
-                "rate",
-                link,
-                "burst",
-                "256kb" if link == "1gbit" else "64kb",
-                "latency",
-                "100ms",
+    reason = can_make_namespaces() if link != "loopback" else None
+    if link == "loopback" or reason:
+        if reason:
+            print(
+                f"[bench] cannot shape a {link} link here ({reason}); running on loopback instead", flush=True
             )
-        print(
-            f"[bench] shaped link: {link} between namespaces {ns[0]} ({addr[0]}) and {ns[1]} ({addr[1]})",
-            flush=True,
-        )
-        yield ns, dev, addr
+        yield None
+        return
+    # SIGTERM would skip the cleanup; turn it into an exception that unwinds through it.
+    old = signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        with veth_pair("10.213.9", rate=link) as pair:
+            print(
+                f"[bench] shaped link: {link} between namespaces {pair.namespaces[0]} ({pair.addresses[0]}) "
+                f"and {pair.namespaces[1]} ({pair.addresses[1]})",
+                flush=True,
+            )
+            yield list(pair.namespaces), list(pair.devices), list(pair.addresses)
     finally:
-        cleanup()
         signal.signal(signal.SIGTERM, old)
 
 

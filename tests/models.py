@@ -129,58 +129,54 @@ def _outer_skipped(x: torch.Tensor) -> torch.Tensor:
     return _inner_traced(x) + 1.0
 
 
-class DisableNonRecursive(nn.Module):
-    """torch.compiler.disable(recursive=False): the function runs eagerly, its callees compile."""
+class _TwoLayer(nn.Module):
+    """Linear(64, 64) -> mid(h) -> Linear(64, 8); subclasses define ``mid``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a = nn.Linear(64, 64)
         self.b = nn.Linear(64, 8)
 
+    def mid(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(_outer_skipped(self.a(x)))
+        return self.b(self.mid(self.a(x)))
+
+
+class DisableNonRecursive(_TwoLayer):
+    """torch.compiler.disable(recursive=False): the function runs eagerly, its callees compile."""
+
+    def mid(self, h: torch.Tensor) -> torch.Tensor:
+        return _outer_skipped(h)
 
 
 _allowed = torch.compiler.allow_in_graph(_helper_scale)
 
 
-class AllowInGraph(nn.Module):
+class AllowInGraph(_TwoLayer):
     """A function kept opaque in the graph (torch.compiler.allow_in_graph)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(64, 64)
-        self.b = nn.Linear(64, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(_allowed(self.a(x)))
+    def mid(self, h: torch.Tensor) -> torch.Tensor:
+        return _allowed(h)
 
 
-class DisallowInGraph(nn.Module):
+class DisallowInGraph(_TwoLayer):
     """A torch function excluded from graphs (torch._dynamo.disallow_in_graph) forces a break."""
 
     def __init__(self) -> None:
         super().__init__()
         torch._dynamo.disallow_in_graph(torch.special.expit)  # process-wide; only this model uses expit
-        self.a = nn.Linear(64, 64)
-        self.b = nn.Linear(64, 8)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.special.expit(self.a(x)))
+    def mid(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.special.expit(h)
 
 
-class IsCompiling(nn.Module):
+class IsCompiling(_TwoLayer):
     """Branches on torch.compiler.is_compiling() (both branches compute the same values)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(64, 64)
-        self.b = nn.Linear(64, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.a(x)
-        h = torch.relu(h) if torch.compiler.is_compiling() else torch.clamp(h, min=0)
-        return self.b(h)
+    def mid(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.relu(h) if torch.compiler.is_compiling() else torch.clamp(h, min=0)
 
 
 @torch.library.custom_op("distcompile_tests::scaled_tanh", mutates_args=())
@@ -206,16 +202,11 @@ def _scaled_tanh_setup(ctx, inputs, output) -> None:  # noqa: ANN001
 scaled_tanh.register_autograd(_scaled_tanh_backward, setup_context=_scaled_tanh_setup)
 
 
-class CustomOp(nn.Module):
+class CustomOp(_TwoLayer):
     """A torch.library.custom_op (opaque to the compiler, with its own autograd formula)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(64, 64)
-        self.b = nn.Linear(64, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(scaled_tanh(self.a(x), 1.5))
+    def mid(self, h: torch.Tensor) -> torch.Tensor:
+        return scaled_tanh(h, 1.5)
 
 
 class FuncTransforms(nn.Module):
@@ -253,21 +244,15 @@ class JacRev(nn.Module):
         return self.b(jac.flatten(1))
 
 
-class NumpyInForward(nn.Module):
+class NumpyInForward(_TwoLayer):
     """NumPy code inside forward (TorchDynamo traces it through torch._numpy)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(64, 64)
-        self.b = nn.Linear(64, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def mid(self, h: torch.Tensor) -> torch.Tensor:
         import numpy as np
 
-        h = self.a(x)
         scale = np.sqrt(h.shape[-1])  # a NumPy scalar
         mask = torch.from_numpy(np.greater(h.detach().numpy(), 0.0).astype(np.float32))
-        return self.b(h * mask / float(scale))
+        return h * mask / float(scale)
 
 
 class Checkpointed(nn.Module):
@@ -327,16 +312,11 @@ def _(x: torch.Tensor) -> torch.Tensor:
 bad_fake.register_autograd(lambda ctx, grad: grad)
 
 
-class CrashesWhenCompiled(nn.Module):
+class CrashesWhenCompiled(_TwoLayer):
     """Runs eagerly, but its custom op's fake implementation is wrong, so tracing fails."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(64, 64)
-        self.b = nn.Linear(64, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(bad_fake(self.a(x)))
+    def mid(self, h: torch.Tensor) -> torch.Tensor:
+        return bad_fake(h)
 
 
 BUILDERS.update({"diverges": DivergesWhenCompiled, "crashes": CrashesWhenCompiled})

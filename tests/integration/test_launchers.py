@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
-import uuid
 from pathlib import Path
 
 import pytest
+
+from distcompile._netns import can_make_namespaces, veth_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = [
@@ -115,38 +115,16 @@ def test_elastic_restart_after_sigkill_resumes_without_loss(tmp_path: Path) -> N
     print(f"restart and finish took {time.monotonic() - killed_at:.1f} s after the kill")
 
 
-def _sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture
 def two_namespaces():
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 (ip) to create network namespaces")
-    tag = uuid.uuid4().hex[:6]
-    ns = [f"dc{tag}a", f"dc{tag}b"]
-    veth = [f"dc{tag}0", f"dc{tag}1"]
-    addr = ["10.213.7.1", "10.213.7.2"]
-    made: list[str] = []
+    reason = can_make_namespaces()
+    if reason:
+        pytest.skip(f"cannot create network namespaces here: {reason}")
     try:
-        for n in ns:
-            _sh("ip", "netns", "add", n)
-            made.append(n)
-        _sh("ip", "link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
-        for n, v, a in zip(ns, veth, addr):
-            _sh("ip", "link", "set", v, "netns", n)
-            _sh("ip", "-n", n, "addr", "add", f"{a}/24", "dev", v)
-            _sh("ip", "-n", n, "link", "set", v, "up")
-            _sh("ip", "-n", n, "link", "set", "lo", "up")
-    except (subprocess.CalledProcessError, OSError) as exc:
-        for n in made:
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)
-        pytest.skip(f"cannot create network namespaces here: {exc}")
-    try:
-        yield list(zip(ns, veth, addr))
-    finally:
-        for n in ns:  # deleting a namespace removes its end of the veth pair, and so the pair
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+        with veth_pair("10.213.7") as pair:
+            yield list(zip(pair.namespaces, pair.devices, pair.addresses))
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"cannot create network namespaces here: {exc.stderr!r}")
 
 
 def test_two_nodes_in_network_namespaces(two_namespaces, tmp_path: Path) -> None:

@@ -1,0 +1,98 @@
+"""Two network namespaces joined by a veth pair, optionally rate-limited: a real link on one machine.
+
+Used by the benchmark (shaped 1 Gbit/s or 200 Mbit/s links) and by the multi-node test.
+Only the namespaces' own addresses are used, and everything is deleted on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+__all__ = ["VethPair", "veth_pair", "can_make_namespaces"]
+
+
+@dataclass(frozen=True, slots=True)
+class VethPair:
+    """Attributes: ``namespaces``, ``devices`` and ``addresses`` of the two ends, in order."""
+
+    namespaces: tuple[str, str]
+    devices: tuple[str, str]
+    addresses: tuple[str, str]
+
+
+def can_make_namespaces() -> str | None:
+    """``None`` if this process can create namespaces, else the reason it cannot.
+
+    Example:
+        >>> isinstance(can_make_namespaces(), (str, type(None)))
+        True
+    """
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"needs {' and '.join(missing)} from iproute2 (apt-get install iproute2)"
+    return None
+
+
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, timeout=30)
+
+
+@contextlib.contextmanager
+def veth_pair(subnet: str, *, rate: str | None = None) -> Iterator[VethPair]:
+    """Create the pair (addresses ``{subnet}.1`` and ``{subnet}.2``), shape both ends to ``rate``.
+
+    ``rate`` is a ``tc`` rate such as ``"1gbit"`` (token bucket filter); ``None`` leaves the
+    link unshaped. Raises ``subprocess.CalledProcessError`` if a step fails (after removing
+    what it created).
+
+    Example:
+        >>> # with veth_pair("10.213.9", rate="1gbit") as link:
+        >>> #     subprocess.run(["ip", "netns", "exec", link.namespaces[0], "ping", "-c1", link.addresses[1]])
+    """
+    tag = uuid.uuid4().hex[:6]
+    pair = VethPair((f"dc{tag}a", f"dc{tag}b"), (f"dc{tag}0", f"dc{tag}1"), (f"{subnet}.1", f"{subnet}.2"))
+    made: list[str] = []
+    try:
+        for ns in pair.namespaces:
+            _sh("ip", "netns", "add", ns)
+            made.append(ns)
+        _sh("ip", "link", "add", pair.devices[0], "type", "veth", "peer", "name", pair.devices[1])
+        for ns, dev, addr in zip(pair.namespaces, pair.devices, pair.addresses):
+            _sh("ip", "link", "set", dev, "netns", ns)
+            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _sh("ip", "-n", ns, "link", "set", dev, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            if rate:
+                # Token bucket: the rate; a burst sized for it; queueing bounded by latency.
+                burst = "256kb" if rate.endswith("gbit") else "64kb"
+                _sh(
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    rate,
+                    "burst",
+                    burst,
+                    "latency",
+                    "100ms",
+                )
+        yield pair
+    finally:
+        for ns in made:  # deleting a namespace also deletes its end of the veth pair, so the pair
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
