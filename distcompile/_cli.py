@@ -16,7 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     Example:
         >>> # $ distcompile demo            # 2 local ranks, eager DDP vs distcompile
     """
-    parser = argparse.ArgumentParser(prog="distcompile", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="distcompile", description="Compiled data-parallel training with overlapped all-reduce."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train the example GPT with eager DDP and distcompile on local ranks")
     demo.add_argument("--nproc", type=int, default=2, help="local ranks to launch (default 2)")
