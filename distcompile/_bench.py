@@ -330,6 +330,7 @@ def _worker(args: argparse.Namespace, names: list[str]) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import distcompile
+    from distcompile._capture import own_forward_code
     from distcompile.models import GPT, GPTConfig, synthetic_batch
 
     torch.set_num_threads(1)
@@ -350,24 +351,10 @@ def _worker(args: argparse.Namespace, names: list[str]) -> None:
         return data[counter[0] % len(data)]
 
     def fresh(tag: str = "plain") -> torch.nn.Module:
-        # Each variant gets its own copy of forward's code object: TorchDynamo caches
-        # compiled code per code object, and a shared one would make every call evaluate
-        # the guards of every variant's graphs (measured: 4-5x slower steps on the small model).
-        import types
-
-        fwd = GPT.forward
-        code = fwd.__code__.replace(co_name=f"forward_{tag}")
-        cls = type(
-            f"GPT_{tag}",
-            (GPT,),
-            {
-                "forward": types.FunctionType(
-                    code, fwd.__globals__, code.co_name, fwd.__defaults__, fwd.__closure__
-                )
-            },
-        )
+        # A private forward code object per variant: with a shared one every call evaluated
+        # every variant's guards (measured: 4-5x slower steps on the small model).
         torch.manual_seed(0)
-        return cls(cfg)
+        return own_forward_code(GPT(cfg), tag)
 
     # ---- compute-only figures: every rank computes at once, no communication
     plain = fresh()

@@ -8,6 +8,7 @@ parameter's qualified name in the wrapped module, so names match on every rank.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from torch import fx
 
 from ._planning import NodeInfo
 
-__all__ = ["CapturedGraph", "read_graph"]
+__all__ = ["CapturedGraph", "read_graph", "own_forward_code"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,3 +99,28 @@ def read_graph(
         )
         nodes.append(NodeInfo(node.name, tuple(reads), last_user))
     return CapturedGraph(body=body, nodes=tuple(nodes), params=params)
+
+
+def own_forward_code(module: torch.nn.Module, tag: str) -> torch.nn.Module:
+    """Give ``module`` a private copy of its class's ``forward`` code object; return it.
+
+    TorchDynamo caches compiled code per code object. Several models of one class that are
+    compiled with different backends (benchmark variants, ``explain``'s throw-away capture)
+    would otherwise share one cache: every call evaluates every model's guards, and
+    clearing one model's entries clears the others'. The module's class becomes a
+    subclass whose ``forward`` runs the same code under a new code object.
+
+    Example:
+        >>> lin = own_forward_code(torch.nn.Linear(2, 2), "x")
+        >>> type(lin).forward.__code__ is torch.nn.Linear.forward.__code__
+        False
+    """
+    cls = type(module)
+    fwd = cls.forward
+    if not isinstance(fwd, types.FunctionType):
+        return module
+    code = fwd.__code__.replace(co_name=f"{fwd.__code__.co_name}_{tag}")
+    copy = types.FunctionType(code, fwd.__globals__, code.co_name, fwd.__defaults__, fwd.__closure__)
+    copy.__kwdefaults__ = fwd.__kwdefaults__
+    module.__class__ = type(cls.__name__, (cls,), {"forward": copy, "__module__": cls.__module__})
+    return module

@@ -235,7 +235,8 @@ class BucketReducer:
         self.grad_as_view = grad_as_view
         self.world_size = dist.get_world_size(group)
         self._graph_buckets: dict[int, list[list[str]]] = {}
-        self._schedules: dict[tuple[int, ...], list[_FlatBucket]] = {}
+        # graphs that ran -> (buckets in launch order, id(param) -> (bucket, slot))
+        self._schedules: dict[tuple[int, ...], tuple[list[_FlatBucket], dict]] = {}
         self._step: _Step | None = None
         self._warned_unsynced = False
         self.last_step = StepStats()
@@ -273,12 +274,12 @@ class BucketReducer:
         return self._step is not None
 
     # -- backward side -------------------------------------------------------------
-    def _schedule(self, graphs: tuple[int, ...]) -> list[_FlatBucket]:
-        order = self._schedules.get(graphs)
-        if order is not None:
-            for b in order:
+    def _schedule(self, graphs: tuple[int, ...]) -> tuple[list[_FlatBucket], dict]:
+        cached = self._schedules.get(graphs)
+        if cached is not None:
+            for b in cached[0]:
                 b.reset()
-            return order
+            return cached
         claimed: set[str] = set()
         groups: list[list[str]] = []
         # First use wins: claim graphs in forward order, launch them in reverse.
@@ -304,13 +305,14 @@ class BucketReducer:
                         len(order), members, compression=self.compression, grad_as_view=self.grad_as_view
                     )
                 )
-        self._schedules[graphs] = order
+        locate = {id(p): (b, i) for b in order for i, p in enumerate(b.params)}
+        self._schedules[graphs] = (order, locate)
         log.debug(
             "schedule for graphs %s: %s",
             graphs,
             [(b.index, len(b.params), b.nbytes) for b in order],
         )
-        return order
+        return order, locate
 
     def _on_grad(self, param: torch.Tensor) -> None:
         step = self._step
@@ -323,9 +325,8 @@ class BucketReducer:
                 )
             return
         if step.order is None:
-            step.order = self._schedule(tuple(step.graphs))
+            step.order, self._locate = self._schedule(tuple(step.graphs))
             step.started = time.perf_counter()
-            self._locate = {id(p): (b, i) for b in step.order for i, p in enumerate(b.params)}
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_step)
         bucket, i = self._locate[id(param)]
         if not bucket.ready[i]:

@@ -122,7 +122,7 @@ class Telemetry:
         w.add_scalar("compile/recompiles", self.recompiles, step)
         w.add_scalar("compile/graph_breaks", len(self.graph_breaks), step)
         w.add_scalar("compile/cache_hits", cache_hits, step)
-        rows = "\n".join(f"| {line.replace(' | ', ' | ')} |" for line in plan_table.splitlines())
+        rows = "\n".join(f"| {line} |" for line in plan_table.splitlines())
         w.add_text(
             f"plan/graph_{graph_id}",
             "| bucket | segment | size | parameters |\n|---|---|---|---|\n" + rows,

@@ -136,14 +136,14 @@ def _settings(model: nn.Module, cfg: Config) -> tuple[nn.Module, _DDPSettings]:
                 f"the DDP model's process group is no longer usable ({type(exc).__name__}: {exc}); it "
                 "was probably destroyed. Build the DDP model on a live process group before wrap()."
             ) from exc
-        cap = cfg.bucket_cap_mb
-        cap_bytes = int(cap * _MB) if cap is not None else int(model.bucket_bytes_cap)
-        default_cap = cap is None and bool(getattr(model, "bucket_bytes_cap_default", True))
+        cap_bytes, first_cap = bucket_caps(
+            model, bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_cap_mb=cfg.first_bucket_cap_mb
+        )
         hook_comp = _ddp_hook_compression(model)
         settings = _DDPSettings(
             group=group,
             bucket_cap=cap_bytes,
-            first_bucket_cap=_first_cap(cfg, cap_bytes, default_cap),
+            first_bucket_cap=first_cap,
             broadcast_buffers=_pick(cfg.broadcast_buffers, model.broadcast_buffers),
             grad_as_view=_pick(cfg.gradient_as_bucket_view, model.gradient_as_bucket_view),
             compression=cfg.compression or hook_comp,
@@ -151,11 +151,13 @@ def _settings(model: nn.Module, cfg: Config) -> tuple[nn.Module, _DDPSettings]:
             device=torch.device(model.device_type, model.device_ids[0]) if model.device_ids else None,
         )
         return model.module, settings
-    cap_bytes = int((cfg.bucket_cap_mb or _DDP_DEFAULT_CAP_MB) * _MB)
+    cap_bytes, first_cap = bucket_caps(
+        model, bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_cap_mb=cfg.first_bucket_cap_mb
+    )
     settings = _DDPSettings(
         group=None,
         bucket_cap=cap_bytes,
-        first_bucket_cap=_first_cap(cfg, cap_bytes, cfg.bucket_cap_mb is None),
+        first_bucket_cap=first_cap,
         broadcast_buffers=_pick(cfg.broadcast_buffers, True),
         grad_as_view=_pick(cfg.gradient_as_bucket_view, False),
         compression=cfg.compression,
@@ -262,10 +264,31 @@ def _pick(option: bool | None, inherited: bool) -> bool:
     return inherited if option is None else option
 
 
-def _first_cap(cfg: Config, cap_bytes: int, default_cap: bool) -> int:
-    if cfg.first_bucket_cap_mb is not None:
-        return min(int(cfg.first_bucket_cap_mb * _MB), cap_bytes)
-    return min(DEFAULT_FIRST_BUCKET_BYTES, cap_bytes) if default_cap else cap_bytes
+def bucket_caps(
+    model: nn.Module, *, bucket_cap_mb: float | None, first_bucket_cap_mb: float | None
+) -> tuple[int, int]:
+    """Bytes of every bucket and of the first one, following DDP's rules.
+
+    The cap is ``bucket_cap_mb``, else the DDP model's, else DDP's default (25 MiB). The
+    first bucket is ``first_bucket_cap_mb``, else 1 MiB when the cap is DDP's default, else
+    the cap (as in DDP, an explicit ``bucket_cap_mb`` also sizes the first bucket).
+
+    Example:
+        >>> bucket_caps(nn.Linear(1, 1), bucket_cap_mb=None, first_bucket_cap_mb=None)
+        (26214400, 1048576)
+    """
+    if bucket_cap_mb is not None:
+        cap = int(bucket_cap_mb * _MB)
+    elif isinstance(model, DDP):
+        cap = int(model.bucket_bytes_cap)
+    else:
+        cap = _DDP_DEFAULT_CAP_MB * _MB
+    default = bucket_cap_mb is None and (
+        not isinstance(model, DDP) or bool(getattr(model, "bucket_bytes_cap_default", True))
+    )
+    if first_bucket_cap_mb is not None:
+        return cap, min(int(first_bucket_cap_mb * _MB), cap)
+    return cap, (min(DEFAULT_FIRST_BUCKET_BYTES, cap) if default else cap)
 
 
 class DistCompiledModule(nn.Module):
