@@ -89,6 +89,15 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
     return result
 
 
+def _error_text(exc_type: type[BaseException], fn) -> str:  # noqa: ANN001
+    """Run ``fn``; return the message of the expected ``exc_type`` it raises, or "no error"."""
+    try:
+        fn()
+    except exc_type as e:
+        return str(e)
+    return "no error"
+
+
 class _null:
     def __enter__(self) -> None:
         return None
@@ -102,11 +111,7 @@ def desync_shapes(rank: int, world: int) -> str:
     torch.manual_seed(0)
     model = distcompile.wrap(DDP(BUILDERS["mlp_seq"]()), backend="eager", desync_timeout_s=20)
     x = torch.randn(8 if rank == 0 else 4, 64)
-    try:
-        model(x).sum().backward()
-    except distcompile.DesyncError as e:
-        return str(e)
-    return "no error"
+    return _error_text(distcompile.DesyncError, lambda: model(x).sum().backward())
 
 
 def desync_missing(rank: int, world: int) -> str:
@@ -168,11 +173,7 @@ def collective_counts(rank: int, world: int) -> dict:
 def custom_hook(rank: int, world: int) -> str:
     ddp = DDP(BUILDERS["mlp_seq"]())
     ddp.register_comm_hook(None, _bf16_reference_hook)
-    try:
-        distcompile.wrap(ddp)
-    except distcompile.UnsupportedModelError as e:
-        return str(e)
-    return "no error"
+    return _error_text(distcompile.UnsupportedModelError, lambda: distcompile.wrap(ddp))
 
 
 def telemetry_run(rank: int, world: int, logdir: str, all_ranks: bool) -> dict:
@@ -225,11 +226,7 @@ def recompile_forbidden(rank: int, world: int) -> str:
     model = distcompile.wrap(DDP(BUILDERS["mlp_seq"]()), backend="eager", recompile="error")
     model(torch.randn(4, 64)).sum().backward()
     model(torch.randn(4, 64)).sum().backward()
-    try:
-        model(torch.randn(6, 64)).sum().backward()
-    except distcompile.RecompileError as e:
-        return str(e)
-    return "no error"
+    return _error_text(distcompile.RecompileError, lambda: model(torch.randn(6, 64)).sum().backward())
 
 
 def dynamic_no_recompile(rank: int, world: int) -> int:
@@ -297,11 +294,7 @@ def params_differ(rank: int, world: int) -> str:
     if rank == 1:
         with torch.no_grad():
             ddp.module[2][0].weight.add_(1.0)  # e.g. a checkpoint loaded on one rank only
-    try:
-        distcompile.wrap(ddp, backend="eager")
-    except distcompile.DesyncError as e:
-        return str(e)
-    return "no error"
+    return _error_text(distcompile.DesyncError, lambda: distcompile.wrap(ddp, backend="eager"))
 
 
 def nonfinite(rank: int, world: int) -> str:
@@ -310,19 +303,23 @@ def nonfinite(rank: int, world: int) -> str:
     x = torch.randn(4, 64)
     if rank == 0:
         x[0, 0] = float("inf")
-    try:
-        model(x).sum().backward()
-    except distcompile.NonFiniteGradientError as e:
-        return str(e)
-    return "no error"
+    return _error_text(distcompile.NonFiniteGradientError, lambda: model(x).sum().backward())
 
 
 def dead_group(rank: int, world: int) -> str:
     sub = dist.new_group([0, 1])
     ddp = DDP(BUILDERS["mlp_seq"](), process_group=sub)
     dist.destroy_process_group(sub)
-    try:
-        distcompile.wrap(ddp)
-    except distcompile.UnsupportedModelError as e:
-        return str(e)
-    return "no error"
+    return _error_text(distcompile.UnsupportedModelError, lambda: distcompile.wrap(ddp))
+
+
+def explain_mid_training(rank: int, world: int) -> dict:
+    """Only rank 0 calls explain between steps: the wrapped model must not recompile."""
+    torch.manual_seed(0)
+    model = distcompile.wrap(DDP(BUILDERS["gpt"]()), backend="eager", desync_timeout_s=20)
+    x, y = batch("gpt", rank, 0)
+    loss_fn("gpt", model(x), y).backward()
+    if rank == 0:
+        distcompile.explain(model.module, x)
+    loss_fn("gpt", model(x), y).backward()
+    return {"graphs": len(model.graphs)}
