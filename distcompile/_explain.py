@@ -9,9 +9,9 @@ import torch
 from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ._capture import read_graph
-from ._planning import DEFAULT_FIRST_BUCKET_BYTES, Plan, _fmt_bytes, plan_graph
-from ._wrap import graph_break_reason
+from ._capture import own_forward_code, read_graph
+from ._planning import Plan, _fmt_bytes, plan_graph
+from ._wrap import bucket_caps, graph_break_reason
 
 __all__ = ["explain", "Explanation", "ExplainedGraph"]
 
@@ -135,19 +135,11 @@ def explain(
         raise UnsupportedModelError(
             f"explain expects a torch.nn.Module or DDP model, got {type(model).__name__}."
         )
-    if bucket_cap_mb is not None:
-        cap = int(bucket_cap_mb * _MB)
-    elif isinstance(model, DDP):
-        cap = int(model.bucket_bytes_cap)
-    else:
-        cap = 25 * _MB
-    default_cap = bucket_cap_mb is None and (not isinstance(model, DDP) or model.bucket_bytes_cap_default)
-    if first_bucket_cap_mb is not None:
-        first = min(int(first_bucket_cap_mb * _MB), cap)
-    else:
-        first = min(DEFAULT_FIRST_BUCKET_BYTES, cap) if default_cap else cap
+    cap, first = bucket_caps(model, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
 
-    clone = copy.deepcopy(inner)
+    # A private code object: capturing afresh without touching the cache of a model that
+    # distcompile.wrap already compiled (that would recompile it on this rank only).
+    clone = own_forward_code(copy.deepcopy(inner), "explain")
     names_by_id = {id(p): n for n, p in clone.named_parameters() if p.requires_grad}
     param_bytes = {n: p.numel() * p.element_size() for n, p in clone.named_parameters() if p.requires_grad}
     graphs: list[ExplainedGraph] = []
@@ -163,7 +155,6 @@ def explain(
         graphs.append(ExplainedGraph(len(graphs), len(captured.nodes), graph_break_reason(gm), plan, reads))
         return gm.forward
 
-    torch._dynamo.reset_code(type(clone).forward.__code__)  # capture afresh, not from an earlier cache
     torch.compile(clone, backend=record)(*example_inputs, **example_kwargs)
 
     uses: dict[str, int] = {}

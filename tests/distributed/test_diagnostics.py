@@ -56,3 +56,7 @@ def test_doctor_reports_a_crash_with_the_exception() -> None:
     for res in run_ranks(workers.doctor_run, 2, "crashes", ("eager", "aot_eager")):
         assert res["first_bad"] == "eager" and res["status"]["eager"] == ["crashed", "crashed"], res["text"]
         assert "rank 0 error:" in res["text"] and "Error" in res["text"], res["text"]
+
+
+def test_explain_on_one_rank_mid_training_does_not_recompile() -> None:
+    assert run_ranks(workers.explain_mid_training, 2, timeout=120) == [{"graphs": 1}, {"graphs": 1}]
