@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ._agreement import default_store
+from ._capture import own_forward_code
 from ._config import BACKENDS
 from ._errors import UnsupportedModelError
 
@@ -185,7 +186,10 @@ def doctor(
     for stage in stages:
         report.stages.append(stage)
         try:
-            ddp = DDP(copy.deepcopy(pristine), process_group=group, bucket_cap_mb=cap_mb)
+            # A private forward code object: the ladder's compiles must not pile cache
+            # entries (and guard checks) onto the code of the user's own model.
+            copy_ = own_forward_code(copy.deepcopy(pristine), f"doctor_{stage}")
+            ddp = DDP(copy_, process_group=group, bucket_cap_mb=cap_mb)
             wrapped = wrap(ddp, backend=stage, desync_timeout_s=timeout_s)
             loss, grads = _step(wrapped, example_inputs, loss_fn)
             wrapped.close()
