@@ -24,7 +24,11 @@ class Config:
             kernels), ``"aot_eager"`` (AOTAutograd without code generation) or ``"eager"``
             (Dynamo capture only). Walk this ladder when debugging.
         bucket_cap_mb: Gradient bucket size in MiB. ``None`` takes the DDP model's
-            ``bucket_cap_mb`` (25 MiB for a plain module).
+            ``bucket_cap_mb`` (25 MiB for a plain module). ``"auto"`` measures the link
+            (all-reduce latency and bandwidth) and the compute rate when ``wrap`` runs,
+            counts each graph node's FLOPs, and chooses the segments and buckets whose
+            simulated step is shortest: communication starts early and the bucket that
+            can only go after backward (the first layer's parameters) stays small.
         first_bucket_cap_mb: Size of the first bucket in gradient order, which is kept
             small so communication starts early. ``None`` follows DDP: 1 MiB when the
             bucket cap is DDP's default, else the bucket cap.
@@ -64,7 +68,7 @@ class Config:
     """
 
     backend: str = "inductor"
-    bucket_cap_mb: float | None = None
+    bucket_cap_mb: float | str | None = None
     first_bucket_cap_mb: float | None = None
     compression: str | None = None
     gradient_as_bucket_view: bool | None = None
@@ -89,9 +93,20 @@ class Config:
                 "segment itself and supports only these. Use backend='inductor' for speed or "
                 "'aot_eager'/'eager' to debug."
             )
+        if self.bucket_cap_mb == "auto":
+            if self.first_bucket_cap_mb is not None:
+                raise ConfigError(
+                    f"first_bucket_cap_mb={self.first_bucket_cap_mb!r} has no effect with "
+                    "bucket_cap_mb='auto', which sizes every bucket from measured costs. Drop one of them."
+                )
+        elif isinstance(self.bucket_cap_mb, str):
+            raise ConfigError(
+                f"bucket_cap_mb={self.bucket_cap_mb!r} must be a positive number of MiB, None (DDP's "
+                "setting) or 'auto' (chosen from measured link and compute speed)."
+            )
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
+            if value is not None and value != "auto" and not value > 0:
                 raise ConfigError(f"{name}={value!r} must be a positive number of MiB (or None).")
         if self.compression not in COMPRESSIONS:
             raise ConfigError(

@@ -10,6 +10,7 @@ from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ._capture import own_forward_code, read_graph
+from ._errors import ConfigError, UnsupportedModelError
 from ._planning import Plan, _fmt_bytes, plan_graph
 from ._wrap import bucket_caps, graph_break_reason
 
@@ -130,10 +131,14 @@ def explain(
     """
     inner = model.module if isinstance(model, DDP) else model
     if not isinstance(inner, nn.Module):
-        from ._errors import UnsupportedModelError
-
         raise UnsupportedModelError(
             f"explain expects a torch.nn.Module or DDP model, got {type(model).__name__}."
+        )
+    if bucket_cap_mb == "auto":
+        raise ConfigError(
+            "explain(bucket_cap_mb='auto') cannot plan: 'auto' measures the link on the process group "
+            "when wrap() runs, and explain runs without one. Pass a number of MiB here, or wrap with "
+            "logdir=... and read the chosen plan in TensorBoard's text tab (plan/graph_0)."
         )
     cap, first = bucket_caps(model, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
 

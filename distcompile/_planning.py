@@ -23,6 +23,18 @@ Algorithm
     partition without outputs would be dropped. A leading segment without parameters
     is merged into the next one.
 
+    With ``costs`` (``bucket_cap_mb="auto"``), caps give way to a schedule search. Each
+    candidate segment start is a node that first reads a parameter. For a suffix of the
+    graph cut into *k* segments, a dynamic program keeps the earliest time its last
+    all-reduce can finish: a bucket is ready when backward has run through its segment
+    (estimated node times plus a fixed cost per segment), all-reduces run one after
+    another, each costing ``latency + bytes / bandwidth``. The plan minimizes
+    ``max(end of backward, end of communication)`` plus the forward cost of its
+    segments; among plans within 1% of the best, the one with fewest segments wins
+    (fewer pieces fuse better and compile faster). The search keeps the parameters with
+    the first forward op in as small a last bucket as pays off: that bucket can only go
+    after backward ends.
+
 Notes
     Planning is pure: the same inputs give the same plan on every rank, and nothing here
     touches a process group, a compiler or a tensor. Parameters owned by an earlier
@@ -40,7 +52,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["NodeInfo", "Bucket", "Plan", "plan_graph", "DEFAULT_FIRST_BUCKET_BYTES"]
+__all__ = ["NodeInfo", "Bucket", "Plan", "GraphCosts", "plan_graph", "DEFAULT_FIRST_BUCKET_BYTES"]
 
 #: DDP's first-bucket cap (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``).
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
@@ -60,6 +72,25 @@ class NodeInfo:
     name: str
     params: tuple[str, ...] = ()
     last_user: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class GraphCosts:
+    """Estimated costs that let the planner choose segments from a schedule, not caps.
+
+    Attributes:
+        node_backward_s: Estimated backward seconds of each node (forward order).
+        latency_s: Fixed seconds of one all-reduce (launch, handshakes).
+        bytes_per_s: All-reduce throughput in buffer bytes per second.
+        segment_backward_s: Backward cost of one more segment (an autograd node, its call).
+        segment_forward_s: Forward cost of one more segment.
+    """
+
+    node_backward_s: Sequence[float]
+    latency_s: float
+    bytes_per_s: float
+    segment_backward_s: float = 2e-4
+    segment_forward_s: float = 1e-4
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +189,7 @@ def plan_graph(
     bucket_cap: int = 25 * 1024 * 1024,
     first_bucket_cap: int = DEFAULT_FIRST_BUCKET_BYTES,
     owned_elsewhere: Iterable[str] = (),
+    costs: GraphCosts | None = None,
 ) -> Plan:
     """Plan segments and buckets for one forward graph (see Note [Planning segments and buckets together]).
 
@@ -167,6 +199,8 @@ def plan_graph(
         bucket_cap: Byte cap of every bucket but the first.
         first_bucket_cap: Byte cap of the first bucket in gradient order.
         owned_elsewhere: Parameters bucketed by an earlier graph of the step.
+        costs: Choose segments by simulating the schedule instead of by caps (the caps
+            are then ignored).
 
     Example:
         >>> nodes = [NodeInfo("l1", ("w1",), 1), NodeInfo("l2", ("w2",), 2)]
@@ -194,23 +228,12 @@ def plan_graph(
     for p, i in first_use.items():
         firsts_at.setdefault(i, []).append(p)
 
-    # Walk in gradient order; `cuts` collects segment starts.
     n = len(nodes)
-    cuts: list[int] = []
-    seg_end = n
-    seg_bytes = 0
-    has_external_output = False
-    for i in range(n - 1, -1, -1):
-        cap = first_bucket_cap if not cuts else bucket_cap
-        if seg_bytes >= cap and has_external_output:
-            cuts.append(i + 1)
-            seg_end = i + 1
-            seg_bytes = 0
-            has_external_output = False
-        seg_bytes += sum(param_bytes[p] for p in firsts_at.get(i, ()))
-        if nodes[i].last_user >= seg_end:
-            has_external_output = True
-    starts = sorted([0, *cuts])
+    firsts_bytes = [sum(param_bytes[p] for p in firsts_at.get(i, ())) for i in range(n)]
+    if costs is None:
+        starts = _starts_by_cap(nodes, firsts_bytes, bucket_cap, first_bucket_cap)
+    else:
+        starts = _starts_by_cost(nodes, firsts_bytes, costs)
     if len(starts) > 1:
         first_stop = starts[1]
         if not any(first_use[p] < first_stop for p in first_use):
@@ -235,3 +258,99 @@ def plan_graph(
         foreign=tuple(foreign),
         unused=tuple(p for p in param_bytes if p not in uses),
     )
+
+
+def _starts_by_cap(
+    nodes: Sequence[NodeInfo], firsts_bytes: Sequence[int], bucket_cap: int, first_bucket_cap: int
+) -> list[int]:
+    # Walk in gradient order; `cuts` collects segment starts.
+    n = len(nodes)
+    cuts: list[int] = []
+    seg_end = n
+    seg_bytes = 0
+    has_external_output = False
+    for i in range(n - 1, -1, -1):
+        cap = first_bucket_cap if not cuts else bucket_cap
+        if seg_bytes >= cap and has_external_output:
+            cuts.append(i + 1)
+            seg_end = i + 1
+            seg_bytes = 0
+            has_external_output = False
+        seg_bytes += firsts_bytes[i]
+        if nodes[i].last_user >= seg_end:
+            has_external_output = True
+    return sorted([0, *cuts])
+
+
+#: Most candidate segment starts the cost search considers (more are thinned by bytes).
+_MAX_CANDIDATES = 96
+#: Most segments per graph the cost search considers.
+_MAX_SEGMENTS = 32
+
+
+def _starts_by_cost(nodes: Sequence[NodeInfo], firsts_bytes: Sequence[int], costs: GraphCosts) -> list[int]:
+    n = len(nodes)
+    if len(costs.node_backward_s) != n:
+        raise ValueError(f"costs give {len(costs.node_backward_s)} node times for {n} nodes")
+    if not costs.bytes_per_s > 0 or costs.latency_s < 0:
+        raise ValueError(f"need bytes_per_s > 0 and latency_s >= 0, got {costs!r}")
+    cands = [i for i in range(1, n) if firsts_bytes[i] > 0]
+    if len(cands) > _MAX_CANDIDATES:  # keep the starts where cumulative bytes cross even steps
+        total = sum(firsts_bytes)
+        kept, acc, step = [], 0, total / _MAX_CANDIDATES
+        for i in range(n):
+            if firsts_bytes[i] > 0 and i > 0 and acc >= step * (len(kept) + 1):
+                kept.append(i)
+            acc += firsts_bytes[i]
+        cands = kept
+    points = [0, *cands, n]
+    m = len(points) - 1
+    below = [0.0] * (n + 1)  # backward seconds of nodes[i:]
+    for i in range(n - 1, -1, -1):
+        below[i] = below[i + 1] + costs.node_backward_s[i]
+    byte_below = [0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        byte_below[i] = byte_below[i + 1] + firsts_bytes[i]
+    # valid[a][b]: segment points[a]..points[b] has a value used after it (else FX drops it).
+    valid = [[False] * (m + 1) for _ in range(m + 1)]
+    for a in range(m):
+        reach, i = -1, points[a]
+        for b in range(a + 1, m + 1):
+            while i < points[b]:
+                reach = max(reach, nodes[i].last_user)
+                i += 1
+            valid[a][b] = points[b] == n or reach >= points[b]
+    inf = float("inf")
+    kmax = min(_MAX_SEGMENTS, m)
+    # finish[a][k]: earliest end of the last all-reduce when nodes[points[a]:] form k segments.
+    finish = [[inf] * (kmax + 1) for _ in range(m + 1)]
+    choice = [[-1] * (kmax + 1) for _ in range(m + 1)]
+    finish[m][0] = 0.0
+    for a in range(m - 1, -1, -1):
+        for b in range(a + 1, m + 1):
+            if not valid[a][b]:
+                continue
+            nbytes = byte_below[points[a]] - byte_below[points[b]]
+            comm = costs.latency_s + nbytes / costs.bytes_per_s if nbytes else 0.0
+            for k in range(1, kmax + 1):
+                prev = finish[b][k - 1]
+                if prev == inf:
+                    continue
+                ready = below[points[a]] + k * costs.segment_backward_s
+                t = max(ready, prev) + comm
+                if t < finish[a][k]:
+                    finish[a][k], choice[a][k] = t, b
+    totals = {
+        k: max(below[0] + k * costs.segment_backward_s, finish[0][k]) + k * costs.segment_forward_s
+        for k in range(1, kmax + 1)
+        if finish[0][k] < inf
+    }
+    if not totals:
+        return [0]
+    best = min(totals.values())
+    k = min(k for k, t in totals.items() if t <= best * 1.01)
+    starts, a = [], 0
+    while k > 0:
+        starts.append(points[a])
+        a, k = choice[a][k], k - 1
+    return starts

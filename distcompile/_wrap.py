@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -20,8 +21,9 @@ from ._agreement import check_agreement, default_store, failed_ranks, mark_faile
 from ._capture import read_graph
 from ._comm import BucketReducer, StepStats
 from ._config import Config
+from ._costmodel import CostModel, measure_costs, node_flops
 from ._errors import ConfigError, DistCompileError, RecompileError, UnsupportedModelError
-from ._planning import DEFAULT_FIRST_BUCKET_BYTES, Plan, plan_graph
+from ._planning import DEFAULT_FIRST_BUCKET_BYTES, GraphCosts, Plan, plan_graph
 from ._segments import inner_compiler, instrument, split_and_compile
 from ._telemetry import Telemetry
 
@@ -50,6 +52,8 @@ class GraphRecord:
             end of the compiled function), with the user code location.
         recompile_reason: The failed guard, if this graph recompiles code compiled before.
         cache_hits: FX-graph and AOTAutograd cache hits while compiling it.
+        planned_by: How the segments were chosen: the bucket caps, or the measured
+            costs (``bucket_cap_mb="auto"``).
     """
 
     graph_id: int
@@ -60,6 +64,7 @@ class GraphRecord:
     graph_break: str | None = None
     recompile_reason: str | None = None
     cache_hits: int = 0
+    planned_by: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +77,7 @@ class _DDPSettings:
     compression: str | None
     ignored: frozenset[str]
     device: torch.device | None
+    costs: CostModel | None = None  # measured when bucket_cap_mb="auto"
 
 
 _HOOK_COMPRESSION = {
@@ -265,7 +271,7 @@ def _pick(option: bool | None, inherited: bool) -> bool:
 
 
 def bucket_caps(
-    model: nn.Module, *, bucket_cap_mb: float | None, first_bucket_cap_mb: float | None
+    model: nn.Module, *, bucket_cap_mb: float | str | None, first_bucket_cap_mb: float | None
 ) -> tuple[int, int]:
     """Bytes of every bucket and of the first one, following DDP's rules.
 
@@ -277,6 +283,8 @@ def bucket_caps(
         >>> bucket_caps(nn.Linear(1, 1), bucket_cap_mb=None, first_bucket_cap_mb=None)
         (26214400, 1048576)
     """
+    if bucket_cap_mb == "auto":  # the caps only serve graphs the cost model cannot plan
+        bucket_cap_mb = None
     if bucket_cap_mb is not None:
         cap = int(bucket_cap_mb * _MB)
     elif isinstance(model, DDP):
@@ -356,12 +364,19 @@ class DistCompiledModule(nn.Module):
         s = self._settings
         captured = read_graph(gm, example_inputs, self._names_by_id)
         param_bytes = {n: p.numel() * p.element_size() for n, p in captured.params.items()}
+        costs = self._graph_costs(gm, example_inputs, captured.body)
         plan = plan_graph(
             captured.nodes,
             param_bytes,
             bucket_cap=s.bucket_cap,
             first_bucket_cap=s.first_bucket_cap,
             owned_elsewhere=self._reducer.claimed(),
+            costs=costs,
+        )
+        planned_by = (
+            f"measured costs: {s.costs.describe()}"
+            if costs is not None and s.costs is not None
+            else f"bucket caps: {s.bucket_cap / _MB:g} MiB, first bucket {s.first_bucket_cap / _MB:g} MiB"
         )
         shapes = [
             tuple(str(d) for d in x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -400,14 +415,16 @@ class DistCompiledModule(nn.Module):
             graph_break=graph_break_reason(gm),
             recompile_reason=reason,
             cache_hits=after["hits"] - before["hits"],
+            planned_by=planned_by,
         )
         self.graphs.append(record)
         log.info(
-            "graph %d: %d nodes -> %d segments, %d buckets, compiled in %.2f s",
+            "graph %d: %d nodes -> %d segments, %d buckets (%s), compiled in %.2f s",
             graph_id,
             record.num_nodes,
             len(plan.segments),
             len(plan.buckets),
+            planned_by,
             record.compile_s,
         )
         if record.recompile_reason:
@@ -419,13 +436,31 @@ class DistCompiledModule(nn.Module):
                 start=t0,
                 end=t0 + record.compile_s,
                 segment_s=segment_s,
-                plan_table=plan.describe(),
+                plan_table=f"planned by {planned_by}\n{plan.describe()}",
                 breaks=[record.graph_break] if record.graph_break else [],
                 recompile_reason=record.recompile_reason,
                 cache_hits=record.cache_hits,
             )
             compiled = instrument(compiled, self._telemetry, graph_id)
         return _recording(compiled, self._reducer, graph_id)
+
+    def _graph_costs(self, gm: fx.GraphModule, example_inputs: list, body: tuple) -> GraphCosts | None:
+        costs = self._settings.costs
+        if costs is None:
+            return None
+        try:
+            flops = node_flops(gm, example_inputs, body)
+        except Exception as exc:  # noqa: BLE001 - the graph is still planned, by DDP's caps
+            # Deterministic for a given graph, so every rank falls back alike (and the
+            # plan agreement check would say so if not).
+            log.warning(
+                "bucket_cap_mb='auto': cannot count this graph's FLOPs (%s: %s); planning it with "
+                "DDP's bucket caps instead",
+                type(exc).__name__,
+                exc,
+            )
+            return None
+        return costs.graph_costs(flops)
 
     # -- running -----------------------------------------------------------------------
     def forward(self, *args: object, **kwargs: object) -> object:
@@ -547,6 +582,9 @@ def wrap(model: nn.Module, config: Config | None = None, **options: object) -> D
         )
     if isinstance(model, DDP) and cfg.check_params:
         _check_same_params(inner, settings, cfg)
+    if cfg.bucket_cap_mb == "auto":
+        device = settings.device or (params[0].device if params else torch.device("cpu"))
+        settings = dataclasses.replace(settings, costs=measure_costs(group=settings.group, device=device))
     if not isinstance(model, DDP):
         group = dist.group.WORLD
         dist._verify_params_across_processes(group, params)

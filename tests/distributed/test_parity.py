@@ -68,6 +68,15 @@ def test_bf16_compression() -> None:
     _check(run_ranks(workers.parity, 2, "gpt", "aot_eager", "bf16"), TOL["half"])
 
 
+@pytest.mark.parametrize("model", ["gpt", "graph_break"])
+def test_auto_buckets_match_eager_ddp_and_agree_across_ranks(model: str) -> None:
+    results = run_ranks(workers.parity, 2, model, "aot_eager", "auto")
+    _check(results, TOL["aot_eager"])
+    assert results[0]["fingerprints"] == results[1]["fingerprints"], "ranks planned differently"
+    for planned_by in results[0]["planned_by"]:
+        assert planned_by.startswith("measured costs: all-reduce"), planned_by
+
+
 def test_ddp_fp16_hook_is_honoured() -> None:
     _check(run_ranks(workers.parity, 2, "mlp_seq", "aot_eager", "fp16_hook"), TOL["half"])
 

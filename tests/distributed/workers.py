@@ -44,6 +44,8 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
     if case == "bf16":
         ref.register_comm_hook(None, _bf16_reference_hook)
         wrap_kwargs["compression"] = "bf16"
+    if case == "auto":
+        wrap_kwargs["bucket_cap_mb"] = "auto"
     if case == "fp16_hook":
         ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
         ours_ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -77,6 +79,8 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
         "buffers": [b.clone() for b in ours.module.buffers()],
         "graphs": len(ours.graphs),
         "segments": [len(g.plan.segments) for g in ours.graphs],
+        "fingerprints": [g.plan.fingerprint() for g in ours.graphs],
+        "planned_by": [g.planned_by for g in ours.graphs],
         "last_step_buckets": ours.last_step.buckets,
         "ddp_reducer_buckets_used": ref.module is not ours.module,
     }

@@ -8,6 +8,8 @@ from torch import fx, nn
 
 from distcompile import NodeInfo, plan_graph
 from distcompile._capture import read_graph
+from distcompile._costmodel import CostModel, node_flops
+from distcompile._planning import GraphCosts
 from tests.models import gpt, mlp_seq
 
 KB = 1024
@@ -137,3 +139,107 @@ def test_read_graph_on_sequential() -> None:
     )
     assert len(plan.segments) > 2
     assert sorted(p for b in plan.buckets for p in b.params) == sorted(n for n, _ in model.named_parameters())
+
+
+# ---- bucket_cap_mb="auto": segments chosen by simulating the schedule
+
+MB = 1_000_000
+
+
+def _check_plan(plan, nodes) -> None:  # noqa: ANN001
+    """Segments tile the graph, each has an output, each bucket sits at its first uses."""
+    assert plan.segments[0][0] == 0 and plan.segments[-1][1] == len(nodes)
+    for (_, stop), (start, _) in zip(plan.segments, plan.segments[1:]):
+        assert stop == start
+    for start, stop in plan.segments:
+        assert stop == len(nodes) or any(nodes[i].last_user >= stop for i in range(start, stop))
+    for b in plan.buckets:
+        start, stop = plan.segments[b.segment]
+        assert all(start <= plan.first_use[p] < stop for p in b.params)
+
+
+def _layers(n: int, *, emb_cost: float, layer_cost: float) -> tuple[list[NodeInfo], dict, list[float]]:
+    """An embedding (read again by the head), n equal layers, a head: like a small GPT."""
+    nodes = chain(("emb",), *[(f"w{i}",) for i in range(n)], ("emb",))
+    sizes = {"emb": 8 * MB, **{f"w{i}": 2 * MB for i in range(n)}}
+    return nodes, sizes, [emb_cost] + [layer_cost] * n + [layer_cost]
+
+
+def test_cost_plan_overlaps_and_keeps_the_tail_to_the_first_op() -> None:
+    # A link that keeps up with backward (2 MB in 16 ms, a layer's backward 30 ms): every
+    # layer's bucket can go while the next layer computes, and only the embedding, whose
+    # gradient is final when backward ends, is left for the tail.
+    nodes, sizes, secs = _layers(8, emb_cost=0.01, layer_cost=0.03)
+    plan = plan_graph(nodes, sizes, costs=GraphCosts(node_backward_s=secs, latency_s=2e-4, bytes_per_s=125e6))
+    _check_plan(plan, nodes)
+    assert plan.buckets[-1].params == ("emb",)
+    assert len(plan.buckets) >= 3, plan.describe()
+
+
+def test_cost_plan_uses_one_bucket_when_latency_dominates() -> None:
+    nodes, sizes, secs = _layers(8, emb_cost=0.01, layer_cost=0.001)
+    plan = plan_graph(nodes, sizes, costs=GraphCosts(node_backward_s=secs, latency_s=1.0, bytes_per_s=1e12))
+    assert len(plan.segments) == 1 and len(plan.buckets) == 1
+
+
+def test_cost_plan_beats_ddp_caps_in_its_own_simulation() -> None:
+    nodes, sizes, secs = _layers(8, emb_cost=0.01, layer_cost=0.03)
+    costs = GraphCosts(node_backward_s=secs, latency_s=2e-4, bytes_per_s=125e6)
+
+    def simulated_end(plan) -> float:  # noqa: ANN001
+        done, t_comm = 0.0, 0.0
+        below = sum(secs)
+        for b in plan.buckets:  # gradient order: a bucket is ready when backward passed its segment
+            start, _ = plan.segments[b.segment]
+            done = below - sum(secs[:start])
+            t_comm = max(t_comm, done) + costs.latency_s + b.nbytes / costs.bytes_per_s
+        return max(t_comm, below)
+
+    auto = plan_graph(nodes, sizes, costs=costs)
+    ddp = plan_graph(nodes, sizes)  # 25 MiB caps, 1 MiB first bucket
+    assert simulated_end(auto) < 0.9 * simulated_end(ddp), (auto.describe(), ddp.describe())
+
+
+def test_cost_plan_never_cuts_a_segment_without_an_output() -> None:
+    nodes = [
+        NodeInfo("a", ("w0",), 3),
+        NodeInfo("b", ("w1",), 2),
+        NodeInfo("c", ("w2",), 3),
+        NodeInfo("d", ("w3",), 4),
+    ]
+    sizes = dict.fromkeys(["w0", "w1", "w2", "w3"], 4 * MB)
+    plan = plan_graph(
+        nodes, sizes, costs=GraphCosts(node_backward_s=[0.05] * 4, latency_s=1e-4, bytes_per_s=1e9)
+    )
+    _check_plan(plan, nodes)
+    assert len(plan.segments) >= 2  # it did cut, where it could
+
+
+def test_cost_plan_is_deterministic_and_checks_inputs() -> None:
+    nodes, sizes, secs = _layers(30, emb_cost=0.01, layer_cost=0.02)
+    costs = GraphCosts(node_backward_s=secs, latency_s=3e-4, bytes_per_s=25e6)
+    assert plan_graph(nodes, sizes, costs=costs) == plan_graph(list(nodes), dict(sizes), costs=costs)
+    with pytest.raises(ValueError, match="node times"):
+        plan_graph(nodes, sizes, costs=GraphCosts(node_backward_s=[0.1], latency_s=0, bytes_per_s=1))
+
+
+def test_cost_plan_thins_candidates_on_large_graphs() -> None:
+    nodes, sizes, secs = _layers(400, emb_cost=0.001, layer_cost=0.001)
+    plan = plan_graph(nodes, sizes, costs=GraphCosts(node_backward_s=secs, latency_s=1e-4, bytes_per_s=1e9))
+    _check_plan(plan, nodes)
+    assert 1 < len(plan.segments) <= 32
+
+
+def test_cost_plan_on_a_traced_gpt() -> None:
+    model = gpt()
+    x = torch.zeros(2, 16, dtype=torch.long)
+    gm = fx.symbolic_trace(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    captured = read_graph(gm, [x], names)
+    flops = node_flops(gm, [x], captured.body)
+    assert sum(flops) > 0
+    costs = CostModel(latency_s=2e-4, bytes_per_s=1e6, flops_per_s=1e8).graph_costs(flops)
+    plan = plan_graph(captured.nodes, {n: p.numel() * 4 for n, p in captured.params.items()}, costs=costs)
+    _check_plan(plan, captured.nodes)
+    assert len(plan.buckets) > 1
+    assert "wte.weight" in plan.buckets[-1].params
