@@ -221,6 +221,7 @@ class BucketReducer:
         group: dist.ProcessGroup | None,
         compression: str | None,
         grad_as_view: bool,
+        compress_tail_only: bool = False,
         telemetry: Telemetry | None = None,
         detect_nonfinite: bool = False,
         describe_peers: Callable[[], str] = lambda: "",
@@ -232,6 +233,7 @@ class BucketReducer:
         self.steps = 0
         self.group = group
         self.compression = compression
+        self.compress_tail_only = compress_tail_only
         self.grad_as_view = grad_as_view
         self.world_size = dist.get_world_size(group)
         self._graph_buckets: dict[int, list[list[str]]] = {}
@@ -290,20 +292,22 @@ class BucketReducer:
             per_graph.append(mine)
         for mine in reversed(per_graph):
             groups.extend(b for b in mine if b)
+        # The tail: the first forward segment's bucket and the trailing bucket, both final
+        # only when backward ends.
+        tail_from = max(len(groups) - 1, 0)
         rest = [n for n in reversed(list(self.params)) if n not in claimed]
         if rest:
             groups.append(rest)
         order = []
-        for names in groups:
+        for g, names in enumerate(groups):
+            compression = self.compression if g >= tail_from or not self.compress_tail_only else None
             by_dtype: dict[tuple[torch.dtype, torch.device], list[tuple[str, torch.nn.Parameter]]] = {}
             for n in names:
                 p = self.params[n]
                 by_dtype.setdefault((p.dtype, p.device), []).append((n, p))
             for members in by_dtype.values():
                 order.append(
-                    _FlatBucket(
-                        len(order), members, compression=self.compression, grad_as_view=self.grad_as_view
-                    )
+                    _FlatBucket(len(order), members, compression=compression, grad_as_view=self.grad_as_view)
                 )
         locate = {id(p): (b, i) for b in order for i, p in enumerate(b.params)}
         self._schedules[graphs] = (order, locate)

@@ -35,6 +35,11 @@ class Config:
         compression: ``None`` (all-reduce in the gradient dtype), ``"bf16"`` or
             ``"fp16"``: gradients are cast into a half-precision bucket, averaged, and
             cast back. ``None`` also inherits a DDP model's registered fp16/bf16 hook.
+        compression_scope: ``"all"`` compresses every bucket; ``"tail"`` only the
+            buckets that can only be all-reduced after backward ends (the parameters of
+            the first forward ops, such as embeddings, plus parameters no graph read).
+            The other buckets overlap backward at full precision, so ``"tail"`` shortens
+            the exposed communication while rounding only those gradients.
         gradient_as_bucket_view: Leave ``param.grad`` as a view into its bucket (saves
             one copy and the memory of one gradient set). ``None`` takes the DDP
             model's setting (``False`` for a plain module).
@@ -71,6 +76,7 @@ class Config:
     bucket_cap_mb: float | str | None = None
     first_bucket_cap_mb: float | None = None
     compression: str | None = None
+    compression_scope: str = "all"
     gradient_as_bucket_view: bool | None = None
     broadcast_buffers: bool | None = None
     mode: str | None = None
@@ -111,6 +117,13 @@ class Config:
         if self.compression not in COMPRESSIONS:
             raise ConfigError(
                 f"compression={self.compression!r} is not supported; use one of {COMPRESSIONS}."
+            )
+        if self.compression_scope not in ("all", "tail"):
+            raise ConfigError(f"compression_scope={self.compression_scope!r} must be 'all' or 'tail'.")
+        if self.compression_scope == "tail" and self.compression is None:
+            raise ConfigError(
+                "compression_scope='tail' needs a compression format to apply to the tail; pass "
+                "compression='bf16' (or 'fp16') too."
             )
         if self.recompile not in ("allow", "error"):
             raise ConfigError(f"recompile={self.recompile!r} must be 'allow' or 'error'.")

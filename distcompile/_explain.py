@@ -114,7 +114,7 @@ class Explanation:
 def explain(
     model: nn.Module,
     *example_inputs: object,
-    bucket_cap_mb: float | None = None,
+    bucket_cap_mb: float | str | None = None,
     first_bucket_cap_mb: float | None = None,
     **example_kwargs: object,
 ) -> Explanation:

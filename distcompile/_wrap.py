@@ -334,6 +334,7 @@ class DistCompiledModule(nn.Module):
             params,
             group=settings.group,
             compression=settings.compression,
+            compress_tail_only=config.compression_scope == "tail",
             grad_as_view=settings.grad_as_view,
             telemetry=self._telemetry,
             detect_nonfinite=config.detect_nonfinite,

@@ -112,3 +112,19 @@ def test_one_all_reduce_per_bucket_and_none_otherwise() -> None:
         assert res["train_step"] == res["buckets"], res
         assert res["no_grad"] == 0 and res["opened_by_no_grad"] is False, res
         assert res["no_sync_step"] == 0, res
+
+
+def test_tail_only_compression() -> None:
+    """Only the last bucket (the embeddings', final when backward ends) goes in bf16."""
+    import torch
+
+    for res in run_ranks(workers.tail_compression, 2):
+        assert "wte.weight" in res["tail"]
+        half = {n for n, dtype in res["wire"].items() if dtype == torch.bfloat16}
+        assert half == set(res["tail"]), (half, res["tail"])
+        assert len(res["wire"]) > len(half)  # the other buckets stayed fp32
+        for name, ref in res["ref"].items():
+            ours = res["ours"][name]
+            rtol, atol = TOL["half"] if name in half else TOL["aot_eager"]  # bf16 on the wire: close
+            np.testing.assert_allclose(ours, ref, rtol=rtol, atol=atol, err_msg=name)
+        assert any((res["ours"][n] != res["ref"][n]).any() for n in half), "tail was not compressed"

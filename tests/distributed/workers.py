@@ -327,3 +327,26 @@ def explain_mid_training(rank: int, world: int) -> dict:
         distcompile.explain(model.module, x)
     loss_fn("gpt", model(x), y).backward()
     return {"graphs": len(model.graphs)}
+
+
+def tail_compression(rank: int, world: int) -> dict:
+    """One step of fp32 eager DDP and of distcompile with bf16 on the tail only; gradients by name."""
+    torch.manual_seed(0)
+    base = BUILDERS["gpt"]()
+    ref = DDP(copy.deepcopy(base), bucket_cap_mb=0.05)
+    ours = distcompile.wrap(
+        DDP(copy.deepcopy(base), bucket_cap_mb=0.05),
+        backend="aot_eager",
+        compression="bf16",
+        compression_scope="tail",
+    )
+    x, y = batch("gpt", rank, 0)
+    for model in (ref, ours):
+        loss_fn("gpt", model(x), y).backward()
+    order, _ = next(iter(ours._reducer._schedules.values()))
+    return {
+        "ref": {n: p.grad.clone() for n, p in ref.module.named_parameters()},
+        "ours": {n: p.grad.clone() for n, p in ours.module.named_parameters()},
+        "wire": {n: b.wire.dtype for b in order for n in b.names},
+        "tail": [n for n in order[-1].names],
+    }

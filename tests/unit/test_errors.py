@@ -36,6 +36,13 @@ def test_no_process_group() -> None:
         ({"backend": "tvm"}, "backend='tvm' is not one of"),
         ({"compression": "int8"}, "compression='int8' is not supported"),
         ({"bucket_cap_mb": 0}, "bucket_cap_mb=0 must be a positive"),
+        (
+            {"bucket_cap_mb": "fast"},
+            "bucket_cap_mb='fast' must be a positive number of MiB, None .* or 'auto'",
+        ),
+        ({"bucket_cap_mb": "auto", "first_bucket_cap_mb": 1}, "no effect with bucket_cap_mb='auto'"),
+        ({"compression_scope": "head"}, "compression_scope='head' must be 'all' or 'tail'"),
+        ({"compression_scope": "tail"}, "needs a compression format.*compression='bf16'"),
         ({"desync_timeout_s": -1}, "desync_timeout_s=-1"),
         ({"cudagraphs": True, "backend": "eager"}, "cudagraphs=True needs backend='inductor'"),
     ],
@@ -68,3 +75,8 @@ def test_ddp_with_python_reducer_rejected(single_rank_group) -> None:
         ddp = DDP(nn.Linear(2, 2))
     with pytest.raises(UnsupportedModelError, match="communicate twice"):
         distcompile.wrap(ddp)
+
+
+def test_explain_auto_buckets_needs_wrap() -> None:
+    with pytest.raises(ConfigError, match="measures the link on the process group"):
+        distcompile.explain(nn.Linear(2, 2), torch.zeros(1, 2), bucket_cap_mb="auto")
