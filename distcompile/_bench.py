@@ -49,6 +49,9 @@ VARIANTS = {
     "dc_aot_eager": "distcompile, aot_eager",
     "dc_inductor": "distcompile, inductor",
     "dc_inductor_bf16": "distcompile, inductor, bf16 compression",
+    "dc_auto": "distcompile, inductor, bucket_cap_mb='auto'",
+    "dc_auto_bf16_tail": "distcompile, inductor, 'auto' buckets, bf16 on the tail bucket only",
+    "dc_auto_bf16": "distcompile, inductor, 'auto' buckets, bf16 compression",
 }
 _RATES = {"1gbit": 1e9, "200mbit": 200e6}
 
@@ -134,6 +137,7 @@ def _table(res: dict) -> str:
             "vs DDP",
             "vs DDPOpt",
             "vs floor",
+            "vs CPU floor",
             "exposed ms",
             "overlap %",
             "cold s",
@@ -149,7 +153,7 @@ def _table(res: dict) -> str:
     )
     for name, r in v.items():
         if "error" in r:
-            rows.append((name, "failed: " + r["error"][:60], *[""] * 10))
+            rows.append((name, "failed: " + r["error"][:60], *[""] * 11))
             continue
         m = r["median_ms"]
         rows.append(
@@ -161,6 +165,7 @@ def _table(res: dict) -> str:
                 _fmt(m / base if base else None, "x", 3),
                 _fmt(m / ddpopt if ddpopt else None, "x", 3),
                 _fmt(m / floor, "x", 3),
+                _fmt(m / res["floor"]["cpu_floor_ms"] if "cpu_floor_ms" in res["floor"] else None, "x", 3),
                 _fmt(r.get("exposed_ms")),
                 _fmt(r.get("overlap_pct")),
                 _fmt(r.get("cold_first_step_s"), "", 2),
@@ -177,6 +182,11 @@ def _table(res: dict) -> str:
         f"floor {f['floor_ms']:.1f} ms = t_fwd {f['t_fwd_ms']:.1f} + max(t_bwd {f['t_bwd_ms']:.1f} + t_tail "
         f"{f['t_tail_ms']:.1f}, t_head {f['t_head_ms']:.1f} + t_comm {f['t_comm_ms']:.1f}) + t_opt {f['t_opt_ms']:.1f}"
     )
+    if "cpu_floor_ms" in f:
+        lines.append(
+            f"CPU-aware floor {f['cpu_floor_ms']:.1f} ms = floor + CPU cost of communication under backward "
+            f"{f['cpu_comm_ms']:.1f} + rank skew {f['skew_ms']:.1f}"
+        )
     lines.append(
         f"gradients {f['grad_mb']:.1f} MB; link all-reduce alone: {f['t_comm_ms']:.1f} ms "
         f"({f['busbw_gbit']:.2f} Gbit/s bus bandwidth)"
@@ -208,6 +218,14 @@ def _report(res: dict) -> str:
                 "time that ran under computation (distcompile telemetry; not measurable for the others). cold s / "
                 "warm s: first step with an empty / a filled compile cache (separate processes). RSS +MB: peak "
                 "resident memory growth while building and warming the variant.",
+                "",
+                "Plans of the distcompile variants (buckets in launch order, MB):",
+                "",
+                *[
+                    f"- {n}: {r['plan']['buckets_mb']} ({'; '.join(sorted(set(r['plan']['planned_by'])))})"
+                    for n, r in res["variants"].items()
+                    if "plan" in r
+                ],
             ]
         )
         + "\n"
@@ -415,6 +433,29 @@ def _worker(args: argparse.Namespace, names: list[str]) -> None:
     floor["floor_ms"] = (
         floor["t_fwd_ms"] + max(floor["t_bwd_ms"] + t_tail, floor["t_head_ms"] + t_comm) + floor["t_opt_ms"]
     )
+    # ---- the CPU-aware floor: on few cores, communication takes CPU from backward (kernel
+    # network work, gloo's threads), and the slower rank gates every step.
+    buf = torch.zeros(grad_bytes // 4)
+    loaded = []
+    for i in range(args.warmup + 6):
+        x, y = next_batch()
+        loss = GPT.loss(plain(x), y)
+        dist.barrier()
+        work = dist.all_reduce(buf, async_op=True)  # all gradient bytes, under backward
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        work.wait()
+        popt.zero_grad()
+        if i >= args.warmup:
+            loaded.append(t2 - t1)
+    per_step = torch.tensor([a + b + c for a, b, c in zip(fwd, bwd, opt_t)], dtype=torch.float64)
+    slowest, total = per_step.clone(), per_step.clone()
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(total)
+    floor["cpu_comm_ms"] = max(0.0, med(loaded) - floor["t_bwd_ms"])
+    floor["skew_ms"] = statistics.median((slowest - total / world).tolist()) * 1e3
+    floor["cpu_floor_ms"] = floor["floor_ms"] + floor["cpu_comm_ms"] + floor["skew_ms"]
     compute_step = floor["t_fwd_ms"] + floor["t_bwd_ms"] + floor["t_opt_ms"]
     say(
         f"compute-only step {compute_step:.1f} ms; all-reduce of {grad_bytes / 1e6:.1f} MB alone "
@@ -471,12 +512,13 @@ def _worker(args: argparse.Namespace, names: list[str]) -> None:
             model = torch.compile(ddp, backend=distinct_inductor())
             ctx = lambda: torch._dynamo.config.patch(compiled_autograd=True)  # noqa: E731
         else:
-            backend = "aot_eager" if name == "dc_aot_eager" else "inductor"
             logdir = tempfile.mkdtemp(prefix=f"dc_{name}_")
             model = distcompile.wrap(
                 ddp,
-                backend=backend,
-                compression="bf16" if name.endswith("bf16") else None,
+                backend="aot_eager" if name == "dc_aot_eager" else "inductor",
+                bucket_cap_mb="auto" if name.startswith("dc_auto") else None,
+                compression="bf16" if "bf16" in name else None,
+                compression_scope="tail" if name.endswith("tail") else "all",
                 logdir=logdir,
                 trace_every=0,
                 figure_every=0,
@@ -499,6 +541,11 @@ def _worker(args: argparse.Namespace, names: list[str]) -> None:
             say(f"{name} failed: {results[name]['error']}")
             continue
         results[name] = {"first_step_s": first, "cold_first_step_s": first, "rss_mb": _rss_mb() - rss0}
+        if name.startswith("dc_"):
+            results[name]["plan"] = {
+                "planned_by": [g.planned_by for g in v.model.graphs],
+                "buckets_mb": [round(b.nbytes / 1e6, 2) for g in v.model.graphs for b in g.plan.buckets],
+            }
         say(f"{name}: first step {first:.2f} s")
         variants.append(v)
     if not args.first_step_only:

@@ -43,6 +43,8 @@ def test_benchmark_end_to_end_on_loopback(tmp_path: Path) -> None:
         assert "error" not in r, (name, r)
         assert r["steps"] == 2 and r["median_ms"] > 0 and r["warm_first_step_s"] > 0, (name, r)
     assert res["floor"]["floor_ms"] > 0 and res["meta"]["link"] == "loopback"
+    assert res["floor"]["cpu_floor_ms"] >= res["floor"]["floor_ms"]
+    assert all(p.startswith("measured costs") for p in res["variants"]["dc_auto"]["plan"]["planned_by"])
     md = js.with_suffix(".md").read_text()
-    assert "floor" in md and "torch" in md and "dc_inductor_bf16" in md
+    assert "floor" in md and "torch" in md and "dc_inductor_bf16" in md and "- dc_auto: [" in md
     assert "vs floor" in proc.stdout
