@@ -11,6 +11,7 @@ slowest rank's numbers), so every rank plans the same segments.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -123,9 +124,24 @@ def measure_costs(*, group: dist.ProcessGroup | None, device: torch.device) -> C
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     *times, inv_rate = agreed.tolist()
     latency, per_byte = _fit_line(_PROBE_BYTES, times)
-    model = CostModel(latency_s=latency, bytes_per_s=1.0 / per_byte, flops_per_s=1.0 / inv_rate)
+    model = CostModel(
+        latency_s=_snap(latency), bytes_per_s=_snap(1.0 / per_byte), flops_per_s=_snap(1.0 / inv_rate)
+    )
     log.info("bucket_cap_mb='auto': measured %s", model.describe())
     return model
+
+
+def _snap(x: float) -> float:
+    """Round to a quarter-octave grid (19% steps).
+
+    Measurements wobble by a few percent from run to run; unrounded, a restarted job could
+    plan other segments and miss the compile cache. The plan hardly changes within 19%.
+
+    Example:
+        >>> _snap(1.0e8) == _snap(1.03e8)
+        True
+    """
+    return 2.0 ** (round(math.log2(x) * 4) / 4)
 
 
 def _fit_line(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
