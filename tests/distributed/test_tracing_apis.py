@@ -32,3 +32,11 @@ def test_parity(model: str) -> None:
     _check(results, TOL["aot_eager"])
     if model in ("compiler_disable", "disallow_in_graph", "disable_nonrecursive"):
         assert results[0]["graphs"] >= 2, "these APIs split the forward into several graphs"
+
+
+@pytest.mark.parametrize("model", [*CASES, "convbn"])
+def test_parity_with_auto_buckets(model: str) -> None:
+    """bucket_cap_mb='auto' counts FLOPs on each graph: odd graphs must plan (or fall back) and match."""
+    results = run_ranks(workers.parity, 2, model, "aot_eager", "auto")
+    _check(results, TOL["aot_eager"])
+    assert results[0]["fingerprints"] == results[1]["fingerprints"]
