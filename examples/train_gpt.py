@@ -5,6 +5,8 @@ Run it:
     torchrun --standalone --nproc-per-node 1 examples/train_gpt.py --distcompile
     # two local ranks (gloo on CPU, NCCL on GPUs)
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --distcompile --steps 50
+    # buckets chosen from the measured link and compute speed, bf16 on the tail bucket only
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --distcompile --bucket-cap-mb auto
     # eager DDP, for comparison
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
     # two nodes: run on each node, with the first node's address
@@ -37,6 +39,11 @@ def main() -> None:
     p.add_argument("--distcompile", action="store_true", help="wrap the DDP model with distcompile")
     p.add_argument("--backend", default="inductor", choices=("eager", "aot_eager", "inductor"))
     p.add_argument("--compression", choices=("bf16", "fp16"), default=None)
+    p.add_argument(
+        "--bucket-cap-mb",
+        default=None,
+        help="gradient bucket MiB, or 'auto' (chosen from the measured link); default: DDP's",
+    )
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--n-layer", type=int, default=4)
@@ -59,8 +66,13 @@ def main() -> None:
     torch.manual_seed(0)
     model = DDP(GPT(cfg).to(device), device_ids=[device.index] if use_cuda else None)
     if args.distcompile:
+        cap = args.bucket_cap_mb
         model = distcompile.wrap(
-            model, backend=args.backend, compression=args.compression, logdir=args.logdir
+            model,
+            backend=args.backend,
+            compression=args.compression,
+            bucket_cap_mb=cap if cap in (None, "auto") else float(cap),
+            logdir=args.logdir,
         )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     start = 0
