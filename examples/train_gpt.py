@@ -5,7 +5,7 @@ Run it:
     torchrun --standalone --nproc-per-node 1 examples/train_gpt.py --distcompile
     # two local ranks (gloo on CPU, NCCL on GPUs)
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --distcompile --steps 50
-    # buckets chosen from the measured link and compute speed, bf16 on the tail bucket only
+    # buckets chosen from the measured link and compute speed
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --distcompile --bucket-cap-mb auto
     # eager DDP, for comparison
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
