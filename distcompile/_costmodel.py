@@ -10,8 +10,10 @@ slowest rank's numbers), so every rank plans the same segments.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,11 +110,18 @@ def _time_matmul(device: torch.device) -> float:
     return 2 * n**3 / max(min(times), 1e-9)
 
 
-def measure_costs(*, group: dist.ProcessGroup | None, device: torch.device) -> CostModel:
+def measure_costs(
+    *, group: dist.ProcessGroup | None, device: torch.device, remember_dir: str | None = None
+) -> CostModel:
     """Time all-reduces and a matrix multiply on every rank; return the agreed model.
 
     A collective: every rank of ``group`` must call it. Takes about six all-reduces of
     each probe size (64 KiB, 1 MiB, 4 MiB): 0.2 s on a 1 Gbit/s link, 1.2 s at 200 Mbit/s.
+
+    With ``remember_dir``, the group's first rank keeps the model in a file there and the
+    next run reuses it while every new measurement is within a factor of
+    ``_REUSE_WITHIN`` of it: a restarted job then plans the same segments and finds them
+    in the compile cache, instead of re-planning on a few percent of noise.
 
     Example:
         >>> # cost = measure_costs(group=None, device=torch.device("cpu"))
@@ -128,8 +137,52 @@ def measure_costs(*, group: dist.ProcessGroup | None, device: torch.device) -> C
     model = CostModel(
         latency_s=_snap(latency), bytes_per_s=_snap(1.0 / per_byte), flops_per_s=_snap(1.0 / inv_rate)
     )
-    log.info("bucket_cap_mb='auto': measured %s", model.describe())
+    if remember_dir is not None:
+        model = _remembered(model, group=group, device=device, path=_memory_path(remember_dir, group, device))
+    log.info("bucket_cap_mb='auto': %s", model.describe())
     return model
+
+
+#: A remembered cost model is reused while new measurements are within this factor.
+_REUSE_WITHIN = 1.5
+
+
+def _memory_path(directory: str, group: dist.ProcessGroup | None, device: torch.device) -> str:
+    return os.path.join(directory, f"costs-world{dist.get_world_size(group)}-{device.type}.json")
+
+
+def _close(new: float, old: float, field: str) -> bool:
+    if field == "latency_s" and abs(new - old) < 5e-4:
+        return True  # sub-millisecond latencies are mostly noise, and plans do not hinge on them
+    return 1 / _REUSE_WITHIN <= new / old <= _REUSE_WITHIN
+
+
+def _remembered(
+    measured: CostModel, *, group: dist.ProcessGroup | None, device: torch.device, path: str
+) -> CostModel:
+    first = dist.get_global_rank(group, 0) if group is not None else 0
+    fields = ("latency_s", "bytes_per_s", "flops_per_s")
+    stored = [0.0, 0.0, 0.0, 0.0]  # [found, *fields]
+    if dist.get_rank() == first:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            stored = [1.0, *(float(data[k]) for k in fields)]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # nothing remembered yet, or an unreadable file: measure afresh
+    # Only the first rank's file counts, so ranks on other nodes decide alike.
+    shared = torch.tensor(stored, dtype=torch.float64, device=device)
+    dist.broadcast(shared, src=first, group=group)
+    found, *old = shared.tolist()
+    if found and all(_close(getattr(measured, k), v, k) for k, v in zip(fields, old)):
+        return CostModel(*old)
+    if dist.get_rank() == first:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({k: getattr(measured, k) for k in fields}, f)
+        os.replace(tmp, path)
+    return measured
 
 
 def _snap(x: float) -> float:

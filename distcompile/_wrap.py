@@ -266,6 +266,13 @@ def _check_same_params(module: nn.Module, settings: _DDPSettings, cfg: Config) -
     )
 
 
+def _costs_dir() -> str:
+    # Next to Inductor's compile cache: the remembered costs exist to keep that cache useful.
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return os.path.join(cache_dir(), "distcompile")
+
+
 def _pick(option: bool | None, inherited: bool) -> bool:
     return inherited if option is None else option
 
@@ -585,7 +592,8 @@ def wrap(model: nn.Module, config: Config | None = None, **options: object) -> D
         _check_same_params(inner, settings, cfg)
     if cfg.bucket_cap_mb == "auto":
         device = settings.device or (params[0].device if params else torch.device("cpu"))
-        settings = dataclasses.replace(settings, costs=measure_costs(group=settings.group, device=device))
+        costs = measure_costs(group=settings.group, device=device, remember_dir=_costs_dir())
+        settings = dataclasses.replace(settings, costs=costs)
     if not isinstance(model, DDP):
         group = dist.group.WORLD
         dist._verify_params_across_processes(group, params)
