@@ -30,7 +30,7 @@ class Config:
             simulated step is shortest: communication starts early and the bucket that
             can only go after backward (the first layer's parameters) stays small. The
             measurement is kept next to Inductor's cache and reused while new ones stay
-            within 1.5x, so a restarted job plans alike and hits the compile cache.
+            within 3x, so a restarted job plans alike and hits the compile cache.
         first_bucket_cap_mb: Size of the first bucket in gradient order, which is kept
             small so communication starts early. ``None`` follows DDP: 1 MiB when the
             bucket cap is DDP's default, else the bucket cap.
