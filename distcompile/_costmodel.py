@@ -48,8 +48,13 @@ class CostModel:
     bytes_per_s: float
     flops_per_s: float
 
-    def graph_costs(self, flops: Sequence[float]) -> GraphCosts:
+    def graph_costs(
+        self, flops: Sequence[float], *, wire_scale: float = 1.0, tail_wire_scale: float = 1.0
+    ) -> GraphCosts:
         """Planner inputs for a graph whose nodes do ``flops`` forward FLOPs each.
+
+        ``wire_scale`` / ``tail_wire_scale``: bytes sent per gradient byte for the
+        buckets / for the first segment's bucket (0.5 when compressed to 16 bits).
 
         Example:
             >>> CostModel(1e-4, 1e8, 1e10).graph_costs([2e9]).node_backward_s
@@ -59,6 +64,8 @@ class CostModel:
             node_backward_s=tuple(2 * f / self.flops_per_s for f in flops),
             latency_s=self.latency_s,
             bytes_per_s=self.bytes_per_s,
+            wire_scale=wire_scale,
+            first_segment_wire_scale=tail_wire_scale,
         )
 
     def describe(self) -> str:

@@ -84,6 +84,9 @@ class GraphCosts:
         bytes_per_s: All-reduce throughput in buffer bytes per second.
         segment_backward_s: Backward cost of one more segment (an autograd node, its call).
         segment_forward_s: Forward cost of one more segment.
+        wire_scale: Bytes on the wire per gradient byte (0.5 under bf16/fp16 compression).
+        first_segment_wire_scale: The same for the first segment's bucket (the tail),
+            which ``compression_scope="tail"`` compresses alone.
     """
 
     node_backward_s: Sequence[float]
@@ -91,6 +94,8 @@ class GraphCosts:
     bytes_per_s: float
     segment_backward_s: float = 2e-4
     segment_forward_s: float = 1e-4
+    wire_scale: float = 1.0
+    first_segment_wire_scale: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,6 +336,7 @@ def _starts_by_cost(nodes: Sequence[NodeInfo], firsts_bytes: Sequence[int], cost
             if not valid[a][b]:
                 continue
             nbytes = byte_below[points[a]] - byte_below[points[b]]
+            nbytes *= costs.first_segment_wire_scale if a == 0 else costs.wire_scale
             comm = costs.latency_s + nbytes / costs.bytes_per_s if nbytes else 0.0
             for k in range(1, kmax + 1):
                 prev = finish[b][k - 1]

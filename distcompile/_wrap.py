@@ -468,7 +468,13 @@ class DistCompiledModule(nn.Module):
                 exc,
             )
             return None
-        return costs.graph_costs(flops)
+        # 16-bit compression halves the bytes on the wire: of every bucket, or of the tail
+        # alone, which is the first segment of the step's first graph.
+        half = 0.5 if self._settings.compression else 1.0
+        if self.config.compression_scope == "tail":
+            first_graph = not self._reducer.claimed()
+            return costs.graph_costs(flops, tail_wire_scale=half if first_graph else 1.0)
+        return costs.graph_costs(flops, wire_scale=half, tail_wire_scale=half)
 
     # -- running -----------------------------------------------------------------------
     def forward(self, *args: object, **kwargs: object) -> object:

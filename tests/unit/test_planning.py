@@ -243,3 +243,21 @@ def test_cost_plan_on_a_traced_gpt() -> None:
     _check_plan(plan, captured.nodes)
     assert len(plan.buckets) > 1
     assert "wte.weight" in plan.buckets[-1].params
+
+
+def test_cost_plan_accounts_for_a_compressed_tail() -> None:
+    # With the tail at half the bytes, leaving a layer in it costs less than a bucket of
+    # its own would gain: the planner merges it (and uses fewer segments).
+    nodes, sizes, secs = _layers(8, emb_cost=0.01, layer_cost=0.03)
+
+    def plan(scale: float):  # noqa: ANN202
+        costs = GraphCosts(
+            node_backward_s=secs, latency_s=2e-4, bytes_per_s=125e6, first_segment_wire_scale=scale
+        )
+        return plan_graph(nodes, sizes, costs=costs)
+
+    full, half = plan(1.0), plan(0.5)
+    _check_plan(half, nodes)
+    assert full.buckets[-1].params == ("emb",)
+    assert half.buckets[-1].nbytes > full.buckets[-1].nbytes
+    assert len(half.segments) < len(full.segments)
