@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from ._costmodel import time_allreduce
 from ._netns import can_make_namespaces, veth_pair
 
 __all__ = ["main", "VARIANTS"]
@@ -406,18 +407,7 @@ def _worker(args: argparse.Namespace, names: list[str]) -> None:
     tail_bytes = sum(p.numel() * 4 for n, p in plain.named_parameters() if n.startswith(("wte", "wpe")))
 
     # ---- the link alone: all-reduce every gradient byte, and the tail bytes
-    def allreduce_ms(nbytes: int, reps: int = 5) -> float:
-        buf = torch.zeros(nbytes // 4)
-        dist.all_reduce(buf)
-        ts = []
-        for _ in range(reps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(buf)
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) * 1e3
-
-    t_comm = allreduce_ms(grad_bytes)
+    t_comm = time_allreduce(grad_bytes, pick=statistics.median) * 1e3
     t_tail = t_comm * tail_bytes / grad_bytes  # the link is linear in bytes at these sizes
     med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
     floor = {

@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +24,7 @@ from torch import fx
 
 from ._planning import GraphCosts
 
-__all__ = ["CostModel", "measure_costs", "node_flops"]
+__all__ = ["CostModel", "measure_costs", "node_flops", "time_allreduce"]
 
 log = logging.getLogger(__name__)
 
@@ -86,18 +86,34 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_allreduce(nbytes: int, group: dist.ProcessGroup | None, device: torch.device) -> float:
+def time_allreduce(
+    nbytes: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+    repeats: int = _PROBE_REPEATS,
+    pick: Callable[[list[float]], float] = min,
+) -> float:
+    """Seconds one all-reduce of ``nbytes`` takes on ``group``: ``pick`` of ``repeats`` timings.
+
+    A collective: every rank must call it. Each timing starts after a barrier, so rank
+    skew does not count as link time; one untimed all-reduce warms the connections first.
+
+    Example:
+        >>> # time_allreduce(4 * 2**20)  -> 0.034 (seconds, 1 Gbit/s link, 2 ranks)
+    """
+    device = device or torch.device("cpu")
     buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-    dist.all_reduce(buf, group=group)  # warm-up: connections, allocations
+    dist.all_reduce(buf, group=group)
     times = []
-    for _ in range(_PROBE_REPEATS):
-        dist.barrier(group=group)  # start together, so skew does not count as link time
+    for _ in range(repeats):
+        dist.barrier(group=group)
         _sync(device)
         t0 = time.perf_counter()
         dist.all_reduce(buf, group=group)
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return pick(times)
 
 
 def _time_matmul(device: torch.device) -> float:
@@ -134,7 +150,7 @@ def measure_costs(
         >>> # cost = measure_costs(group=None, device=torch.device("cpu"))
         >>> # cost.describe() -> 'all-reduce 0.31 ms + 8.1 ms/MB (123 MB/s); compute 31.2 GFLOP/s'
     """
-    times = [_time_allreduce(b, group, device) for b in _PROBE_BYTES]
+    times = [time_allreduce(b, group=group, device=device) for b in _PROBE_BYTES]
     rate = _time_matmul(device)
     # The slowest rank decides, identically everywhere: max of times, min of rates.
     agreed = torch.tensor([*times, 1.0 / rate], dtype=torch.float64, device=device)

@@ -311,10 +311,9 @@ def _starts_by_cost(nodes: Sequence[NodeInfo], firsts_bytes: Sequence[int], cost
     points = [0, *cands, n]
     m = len(points) - 1
     below = [0.0] * (n + 1)  # backward seconds of nodes[i:]
+    byte_below = [0] * (n + 1)  # bytes first used in nodes[i:]
     for i in range(n - 1, -1, -1):
         below[i] = below[i + 1] + costs.node_backward_s[i]
-    byte_below = [0] * (n + 1)
-    for i in range(n - 1, -1, -1):
         byte_below[i] = byte_below[i + 1] + firsts_bytes[i]
     # valid[a][b]: segment points[a]..points[b] has a value used after it (else FX drops it).
     valid = [[False] * (m + 1) for _ in range(m + 1)]

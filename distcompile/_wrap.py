@@ -372,13 +372,14 @@ class DistCompiledModule(nn.Module):
         s = self._settings
         captured = read_graph(gm, example_inputs, self._names_by_id)
         param_bytes = {n: p.numel() * p.element_size() for n, p in captured.params.items()}
-        costs = self._graph_costs(gm, example_inputs, captured.body)
+        owned = self._reducer.claimed()  # parameters an earlier graph of this step buckets
+        costs = self._graph_costs(gm, example_inputs, captured.body, first_graph=not owned)
         plan = plan_graph(
             captured.nodes,
             param_bytes,
             bucket_cap=s.bucket_cap,
             first_bucket_cap=s.first_bucket_cap,
-            owned_elsewhere=self._reducer.claimed(),
+            owned_elsewhere=owned,
             costs=costs,
         )
         planned_by = (
@@ -452,7 +453,9 @@ class DistCompiledModule(nn.Module):
             compiled = instrument(compiled, self._telemetry, graph_id)
         return _recording(compiled, self._reducer, graph_id)
 
-    def _graph_costs(self, gm: fx.GraphModule, example_inputs: list, body: tuple) -> GraphCosts | None:
+    def _graph_costs(
+        self, gm: fx.GraphModule, example_inputs: list, body: tuple, *, first_graph: bool
+    ) -> GraphCosts | None:
         costs = self._settings.costs
         if costs is None:
             return None
@@ -472,7 +475,6 @@ class DistCompiledModule(nn.Module):
         # alone, which is the first segment of the step's first graph.
         half = 0.5 if self._settings.compression else 1.0
         if self.config.compression_scope == "tail":
-            first_graph = not self._reducer.claimed()
             return costs.graph_costs(flops, tail_wire_scale=half if first_graph else 1.0)
         return costs.graph_costs(flops, wire_scale=half, tail_wire_scale=half)
 

@@ -6,18 +6,10 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from distcompile._costmodel import CostModel, _fit_line, _remembered, _snap, measure_costs
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def single_rank_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_fit_line_recovers_latency_and_bandwidth() -> None:

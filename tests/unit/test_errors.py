@@ -12,13 +12,6 @@ import distcompile
 from distcompile import Config, ConfigError, UnsupportedModelError
 
 
-@pytest.fixture
-def single_rank_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_not_a_module() -> None:
     with pytest.raises(UnsupportedModelError, match="expects a torch.nn.Module.*got function"):
         distcompile.wrap(lambda x: x)

@@ -64,15 +64,18 @@ def test_parameter_free_preamble_merges_forward() -> None:
     assert len(plan.buckets) == 2
 
 
+#: Nodes 1-2 are only read inside their own range: cutting before node 1 would leave a
+#: partition with no outputs, so the segment must grow until it has one.
+INNER_ONLY = [
+    NodeInfo("a", ("w0",), 3),
+    NodeInfo("b", ("w1",), 2),
+    NodeInfo("c", ("w2",), 3),
+    NodeInfo("d", ("w3",), 4),
+]
+
+
 def test_no_cut_without_an_external_output() -> None:
-    # Nodes 1-2 are only read inside their own range: cutting before node 1 would leave
-    # a partition with no outputs, so the segment must grow until it has one.
-    nodes = [
-        NodeInfo("a", ("w0",), 3),
-        NodeInfo("b", ("w1",), 2),
-        NodeInfo("c", ("w2",), 3),
-        NodeInfo("d", ("w3",), 4),
-    ]
+    nodes = INNER_ONLY
     plan = plan_graph(nodes, dict.fromkeys(["w0", "w1", "w2", "w3"], 4), bucket_cap=4, first_bucket_cap=4)
     for start, stop in plan.segments:
         assert any(nodes[i].last_user >= stop for i in range(start, stop)), plan.segments
@@ -201,12 +204,7 @@ def test_cost_plan_beats_ddp_caps_in_its_own_simulation() -> None:
 
 
 def test_cost_plan_never_cuts_a_segment_without_an_output() -> None:
-    nodes = [
-        NodeInfo("a", ("w0",), 3),
-        NodeInfo("b", ("w1",), 2),
-        NodeInfo("c", ("w2",), 3),
-        NodeInfo("d", ("w3",), 4),
-    ]
+    nodes = INNER_ONLY
     sizes = dict.fromkeys(["w0", "w1", "w2", "w3"], 4 * MB)
     plan = plan_graph(
         nodes, sizes, costs=GraphCosts(node_backward_s=[0.05] * 4, latency_s=1e-4, bytes_per_s=1e9)
