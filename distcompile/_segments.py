@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import unittest.mock
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,73 @@ def _propagate_metadata(gm: fx.GraphModule, split_gm: fx.GraphModule) -> None:
             node._dynamo_source = sources.get(node.name)
 
 
+def _may_change_layout(piece: fx.GraphModule) -> bool:
+    # Under Inductor every output of a piece keeps its eager strides unless layout
+    # optimization is on, which Inductor only turns on for graphs with convolutions
+    # (GraphLowering.decide_layout_opt). Matched by name so that every convolution
+    # spelling (torch.conv2d, F.conv_transpose1d, aten.convolution, ...) counts.
+    for node in piece.graph.nodes:
+        target = piece.get_submodule(node.target) if node.op == "call_module" else node.target
+        name = getattr(target, "__name__", type(target).__name__) if node.op != "call_method" else target
+        if node.op != "placeholder" and node.op != "output" and "conv" in str(name).lower():
+            return True
+    return not torch._inductor.config.keep_output_stride
+
+
+def _piece_compiler_class(cacheable: bool) -> type:
+    from torch._dynamo.backends.distributed import SubmodCompiler
+    from torch._dynamo.utils import counters, deepcopy_to_fake_tensor
+
+    class PieceCompiler(SubmodCompiler):
+        """PyTorch's DDPOptimizer interpreter, with AOTAutograd's cache left usable.
+
+        DDPOptimizer compiles every piece with ``fakify_first_call`` so that the strides
+        Inductor chose for a piece's outputs reach the next piece's compile; AOTAutograd
+        refuses to cache such graphs, so a warm restart re-ran AOTAutograd for every piece
+        (measured: 4-7 s of a warm first step). A piece without convolutions keeps eager
+        strides on its outputs under Inductor, so for those the next piece's inputs come
+        from running the uncompiled piece on fake tensors, and the compile is cacheable.
+        """
+
+        def run_node(self, n: fx.Node) -> object:
+            if not cacheable or n.op != "call_module" or _may_change_layout(self.fetch_attr(str(n.target))):
+                return super().run_node(n)
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            fake_args = [
+                torch._dynamo.utils.to_fake_tensor(a, self.fake_mode)
+                if isinstance(a, torch.Tensor) and not isinstance(a, torch._subclasses.FakeTensor)
+                else a
+                for a in args
+            ]
+            real_mod = self.fetch_attr(str(n.target))
+            fake_mod = deepcopy_to_fake_tensor(real_mod, self.fake_mode)
+            before = counters["aot_autograd"]["total"]
+            compiled = self.compile_submod(real_mod, fake_args, kwargs)
+            tracing = torch._guards.TracingContext.try_get()
+            if tracing is not None and before != counters["aot_autograd"]["total"]:
+                # Inductor compiles a piece's backward lazily and reads that piece's
+                # AOTAutograd metadata from here (see SubmodCompiler.run_node).
+                tracing.ddp_optimizer_ctx.curr_bucket += 1
+                tracing.ddp_optimizer_ctx.metadata_per_bucket.append(tracing.fw_metadata)
+            self.module.delete_submodule(n.target)
+            n.target = "compiled_" + n.target
+            self.module.add_submodule(n.target, compiled)
+            with self.fake_mode, unittest.mock.patch.object(self.fake_mode, "allow_non_fake_inputs", True):
+                out = fake_mod(*fake_args, **kwargs)
+            log.debug(
+                "%s outputs (shape, stride): %s",
+                n.target,
+                [
+                    (tuple(t.shape), t.stride())
+                    for t in torch.utils._pytree.tree_leaves(out)
+                    if isinstance(t, torch.Tensor)
+                ],
+            )
+            return out
+
+    return PieceCompiler
+
+
 def split_and_compile(
     gm: fx.GraphModule,
     example_inputs: Sequence[object],
@@ -70,10 +138,14 @@ def split_and_compile(
     captured: CapturedGraph,
     plan: Plan,
     compiler: CompilerFn,
+    cacheable: bool = False,
 ) -> Callable:
     """Compile ``gm`` as ``len(plan.segments)`` separately compiled pieces.
 
     Returns a callable with the calling convention TorchDynamo expects from a backend.
+    ``cacheable`` says ``compiler`` is Inductor, whose pieces keep eager output strides
+    unless they contain a convolution; those pieces are compiled so that AOTAutograd's
+    cache can serve a warm restart.
 
     Example:
         >>> # used by distcompile's TorchDynamo backend; see distcompile.wrap
@@ -88,11 +160,10 @@ def split_and_compile(
     # its own splits: run the split module under fake tensors, compile each piece with
     # the inputs it sees, and keep AOTAutograd's per-piece metadata in the tracing
     # context (needed by Inductor's lazily compiled backward). We reuse that
-    # interpreter rather than re-implement those internals; the splits are ours.
-    from torch._dynamo.backends.distributed import SubmodCompiler
-
+    # interpreter rather than re-implement those internals; the splits are ours, and
+    # so is the cacheable path for pieces whose output strides cannot change.
     with torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing():
-        SubmodCompiler(split_gm, compiler, fake_mode).run(*example_inputs)
+        _piece_compiler_class(cacheable)(split_gm, compiler, fake_mode).run(*example_inputs)
     split_gm.recompile()
     log.debug("split graph:\n%s", split_gm.graph)
     return split_gm

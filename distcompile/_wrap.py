@@ -411,7 +411,12 @@ class DistCompiledModule(nn.Module):
                 segment_s.append(time.perf_counter() - start)
 
         compiled = split_and_compile(
-            gm, example_inputs, captured=captured, plan=plan, compiler=timed_compiler
+            gm,
+            example_inputs,
+            captured=captured,
+            plan=plan,
+            compiler=timed_compiler,
+            cacheable=self.config.backend == "inductor",
         )
         self._reducer.add_graph(graph_id, [b.params for b in plan.buckets])
         after = _compile_counters()

@@ -271,6 +271,30 @@ class Checkpointed(nn.Module):
         return self.head(x)
 
 
+class OddStrides(nn.Module):
+    """Transposed, non-dense, channels-last and expanded tensors cross segment boundaries.
+
+    Every layer holds more than the tests' 0.05 MiB bucket cap, so each is its own segment,
+    and each layer reads its input exactly as the previous segment left it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 256)
+        self.b = nn.Linear(8, 2048)
+        self.c = nn.Linear(1024, 64)
+        self.d = nn.Linear(16, 1024)
+        self.head = nn.Linear(1024, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.a(x).t()  # (256, 8), transposed: dense, not contiguous
+        half = self.b(t)[:, ::2]  # a strided view: not dense
+        img = self.c(half).view(256, 16, 2, 2).contiguous(memory_format=torch.channels_last)
+        pooled = self.d(img.permute(0, 2, 3, 1)).mean((1, 2))  # (256, 1024)
+        wide = pooled.mean(0, keepdim=True).expand(256, 1024)  # stride 0
+        return (self.head(wide) + pooled[:, :16]).view(8, 8, 64).mean(-1)
+
+
 BUILDERS.update(
     {
         "compiler_disable": CompilerDisable,
@@ -283,6 +307,7 @@ BUILDERS.update(
         "jacrev": JacRev,
         "numpy": NumpyInForward,
         "checkpoint": Checkpointed,
+        "odd_strides": OddStrides,
     }
 )
 

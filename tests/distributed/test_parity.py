@@ -99,6 +99,29 @@ def test_parity_inductor_gpt(world: int) -> None:
     _check(run_ranks(workers.parity, world, "gpt", "inductor", timeout=900), TOL["inductor"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["odd_strides", "convbn"])
+def test_parity_inductor_strides_across_pieces(model: str) -> None:
+    """Pieces hand each other transposed, strided, expanded and channels-last tensors.
+
+    ``odd_strides`` has no convolution, so its pieces go through the cacheable path (the
+    next piece's input strides come from eager fake propagation); ``convbn`` lets Inductor
+    change layouts, so its pieces report their real output strides (DDPOptimizer's way).
+    """
+    results = run_ranks(workers.parity, 2, model, "inductor", timeout=900)
+    _check(results, TOL["inductor"])
+    assert max(results[0]["segments"]) >= (4 if model == "odd_strides" else 2), results[0]["segments"]
+
+
+@pytest.mark.slow
+def test_warm_restart_reuses_compiled_pieces() -> None:
+    """A second compile of the same model loads every piece from AOTAutograd's cache."""
+    for res in run_ranks(workers.warm_restart, 2, "odd_strides", timeout=900):
+        assert res["pieces"] >= 4, res
+        assert res["first"].get("autograd_cache_bypass", 0) == 0, res
+        assert res["second"].get("autograd_cache_hit", 0) == res["pieces"], res
+
+
 def test_plain_module_is_broadcast_and_trains_in_sync() -> None:
     results = run_ranks(workers.plain_module, 2)
     for a, b in zip(results[0]["params"], results[1]["params"]):

@@ -350,3 +350,20 @@ def tail_compression(rank: int, world: int) -> dict:
         "wire": {n: b.wire.dtype for b in order for n in b.names},
         "tail": [n for n in order[-1].names],
     }
+
+
+def warm_restart(rank: int, world: int, model_name: str) -> dict:
+    """Compile with Inductor, forget everything in memory, compile again: count cache use."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    base = BUILDERS[model_name]()
+    seen = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        counters.clear()
+        model = distcompile.wrap(DDP(copy.deepcopy(base), bucket_cap_mb=0.05), backend="inductor")
+        x, y = batch(model_name, rank, 0)
+        loss_fn(model_name, model(x), y).backward()
+        seen.append(dict(counters["aot_autograd"]))
+    return {"pieces": sum(len(g.plan.segments) for g in model.graphs), "first": seen[0], "second": seen[1]}
