@@ -128,6 +128,13 @@ def _fmt(x: float | None, unit: str = "", nd: int = 1) -> str:
     return "-" if x is None else f"{x:.{nd}f}{unit}"
 
 
+def _peak(r: dict, ddp: dict) -> str:
+    if "peak_rss_mb" not in r:
+        return "-"
+    ratio = f" ({r['peak_rss_mb'] / ddp['peak_rss_mb']:.2f}x)" if ddp.get("peak_rss_mb") else ""
+    return f"{r['peak_rss_mb']:.0f}{ratio}"
+
+
 def _table(res: dict) -> str:
     rows = [
         (
@@ -143,7 +150,7 @@ def _table(res: dict) -> str:
             "overlap %",
             "cold s",
             "warm s",
-            "RSS +MB",
+            "peak RSS MB",
         )
     ]
     v = res["variants"]
@@ -171,7 +178,7 @@ def _table(res: dict) -> str:
                 _fmt(r.get("overlap_pct")),
                 _fmt(r.get("cold_first_step_s"), "", 2),
                 _fmt(r.get("warm_first_step_s"), "", 2),
-                _fmt(r.get("rss_mb"), "", 0),
+                _peak(r, v.get("ddp", {})),
             )
         )
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
@@ -217,8 +224,9 @@ def _report(res: dict) -> str:
                 "exposed ms: time `backward()` waited for communication (distcompile's own figure); for the other "
                 "variants, step time minus the compute-only step (an estimate). overlap %: share of all-reduce "
                 "time that ran under computation (distcompile telemetry; not measurable for the others). cold s / "
-                "warm s: first step with an empty / a filled compile cache (separate processes). RSS +MB: peak "
-                "resident memory growth while building and warming the variant.",
+                "warm s: first step with an empty compile cache (the alternating run) / with the cache it filled, in "
+                "a new pair of processes per variant. peak RSS MB: the larger rank's peak resident memory in that "
+                "new process, which built only this variant and ran its warm-up steps (ratio to eager DDP's).",
                 "",
                 "Plans of the distcompile variants (buckets in launch order, MB):",
                 "",
@@ -295,15 +303,19 @@ def main(argv: list[str] | None = None) -> int:
         _launch(args, common, net, cache, out)
         with open(out) as f:
             res = json.load(f)
-        if not args.no_warm:
-            print("[bench] warm-cache first steps (new processes, same compile cache)", flush=True)
-            warm_out = os.path.join(tmp, "warm.json")
-            _launch(args, [*common, "--first-step-only"], net, cache, warm_out)
+        for k, name in enumerate([] if args.no_warm else names):
+            # A new pair of processes per variant: a warm start as a user restarting would
+            # see it, and a peak RSS that belongs to this variant alone.
+            print(f"[bench] warm-cache first step and peak memory, {name} ({k + 1}/{len(names)})", flush=True)
+            warm_out = os.path.join(tmp, f"warm-{name}.json")
+            only = ["--variants", name, *common[2:], "--first-step-only"]
+            _launch(args, only, net, cache, warm_out)
             with open(warm_out) as f:
-                warm = json.load(f)
-            for n, r in warm["variants"].items():
-                if n in res["variants"] and "first_step_s" in r:
-                    res["variants"][n]["warm_first_step_s"] = r["first_step_s"]
+                r = json.load(f)["variants"][name]
+            if name in res["variants"] and "first_step_s" in r:
+                res["variants"][name].update(
+                    warm_first_step_s=r["first_step_s"], peak_rss_mb=r["peak_rss_mb"]
+                )
     link = args.link if net else "loopback"
     res["meta"].update(
         link=link,
@@ -375,83 +387,90 @@ def _worker(args: argparse.Namespace, names: list[str]) -> None:
         torch.manual_seed(0)
         return own_forward_code(GPT(cfg), tag)
 
-    # ---- compute-only figures: every rank computes at once, no communication
-    plain = fresh()
-    popt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
-    nparams = sum(p.numel() for p in plain.parameters())
-    grad_bytes = nparams * 4
-    first_ready: list[float] = []
-    hooks = [
-        p.register_post_accumulate_grad_hook(lambda _p: first_ready.append(time.perf_counter()))
-        for p in plain.parameters()
-    ]
-    fwd, bwd, opt_t, head = [], [], [], []
-    for i in range(args.warmup + 10):
-        x, y = next_batch()
-        t0 = time.perf_counter()
-        loss = GPT.loss(plain(x), y)
-        t1 = time.perf_counter()
-        first_ready.clear()
-        loss.backward()
-        t2 = time.perf_counter()
-        popt.step()
-        popt.zero_grad()
-        t3 = time.perf_counter()
-        if i >= args.warmup:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-            opt_t.append(t3 - t2)
-            head.append(min(first_ready) - t1)
-    for h in hooks:
-        h.remove()
-    tail_bytes = sum(p.numel() * 4 for n, p in plain.named_parameters() if n.startswith(("wte", "wpe")))
+    nparams = sum(p.numel() for p in GPT(cfg).parameters())
 
-    # ---- the link alone: all-reduce every gradient byte, and the tail bytes
-    t_comm = time_allreduce(grad_bytes, pick=statistics.median) * 1e3
-    t_tail = t_comm * tail_bytes / grad_bytes  # the link is linear in bytes at these sizes
-    med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
-    floor = {
-        "t_fwd_ms": med(fwd),
-        "t_bwd_ms": med(bwd),
-        "t_opt_ms": med(opt_t),
-        "t_head_ms": med(head),
-        "t_comm_ms": t_comm,
-        "t_tail_ms": t_tail,
-        "grad_mb": grad_bytes / 1e6,
-        "busbw_gbit": 2 * (world - 1) / world * grad_bytes * 8 / (t_comm / 1e3) / 1e9,
-    }
-    floor["floor_ms"] = (
-        floor["t_fwd_ms"] + max(floor["t_bwd_ms"] + t_tail, floor["t_head_ms"] + t_comm) + floor["t_opt_ms"]
-    )
-    # ---- the CPU-aware floor: on few cores, communication takes CPU from backward (kernel
-    # network work, gloo's threads), and the slower rank gates every step.
-    buf = torch.zeros(grad_bytes // 4)
-    loaded = []
-    for i in range(args.warmup + 6):
-        x, y = next_batch()
-        loss = GPT.loss(plain(x), y)
-        dist.barrier()
-        work = dist.all_reduce(buf, async_op=True)  # all gradient bytes, under backward
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        work.wait()
-        popt.zero_grad()
-        if i >= args.warmup:
-            loaded.append(t2 - t1)
-    per_step = torch.tensor([a + b + c for a, b, c in zip(fwd, bwd, opt_t)], dtype=torch.float64)
-    slowest, total = per_step.clone(), per_step.clone()
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    dist.all_reduce(total)
-    floor["cpu_comm_ms"] = max(0.0, med(loaded) - floor["t_bwd_ms"])
-    floor["skew_ms"] = statistics.median((slowest - total / world).tolist()) * 1e3
-    floor["cpu_floor_ms"] = floor["floor_ms"] + floor["cpu_comm_ms"] + floor["skew_ms"]
-    compute_step = floor["t_fwd_ms"] + floor["t_bwd_ms"] + floor["t_opt_ms"]
-    say(
-        f"compute-only step {compute_step:.1f} ms; all-reduce of {grad_bytes / 1e6:.1f} MB alone "
-        f"{t_comm:.1f} ms; floor {floor['floor_ms']:.1f} ms"
-    )
-    del plain, popt
+    def measure_floor() -> tuple[dict, float]:
+        # ---- compute-only figures: every rank computes at once, no communication
+        plain = fresh()
+        popt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+        grad_bytes = nparams * 4
+        first_ready: list[float] = []
+        hooks = [
+            p.register_post_accumulate_grad_hook(lambda _p: first_ready.append(time.perf_counter()))
+            for p in plain.parameters()
+        ]
+        fwd, bwd, opt_t, head = [], [], [], []
+        for i in range(args.warmup + 10):
+            x, y = next_batch()
+            t0 = time.perf_counter()
+            loss = GPT.loss(plain(x), y)
+            t1 = time.perf_counter()
+            first_ready.clear()
+            loss.backward()
+            t2 = time.perf_counter()
+            popt.step()
+            popt.zero_grad()
+            t3 = time.perf_counter()
+            if i >= args.warmup:
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+                opt_t.append(t3 - t2)
+                head.append(min(first_ready) - t1)
+        for h in hooks:
+            h.remove()
+        tail_bytes = sum(p.numel() * 4 for n, p in plain.named_parameters() if n.startswith(("wte", "wpe")))
+
+        # ---- the link alone: all-reduce every gradient byte, and the tail bytes
+        t_comm = time_allreduce(grad_bytes, pick=statistics.median) * 1e3
+        t_tail = t_comm * tail_bytes / grad_bytes  # the link is linear in bytes at these sizes
+        med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+        floor = {
+            "t_fwd_ms": med(fwd),
+            "t_bwd_ms": med(bwd),
+            "t_opt_ms": med(opt_t),
+            "t_head_ms": med(head),
+            "t_comm_ms": t_comm,
+            "t_tail_ms": t_tail,
+            "grad_mb": grad_bytes / 1e6,
+            "busbw_gbit": 2 * (world - 1) / world * grad_bytes * 8 / (t_comm / 1e3) / 1e9,
+        }
+        floor["floor_ms"] = (
+            floor["t_fwd_ms"]
+            + max(floor["t_bwd_ms"] + t_tail, floor["t_head_ms"] + t_comm)
+            + floor["t_opt_ms"]
+        )
+        # ---- the CPU-aware floor: on few cores, communication takes CPU from backward (kernel
+        # network work, gloo's threads), and the slower rank gates every step.
+        buf = torch.zeros(grad_bytes // 4)
+        loaded = []
+        for i in range(args.warmup + 6):
+            x, y = next_batch()
+            loss = GPT.loss(plain(x), y)
+            dist.barrier()
+            work = dist.all_reduce(buf, async_op=True)  # all gradient bytes, under backward
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            work.wait()
+            popt.zero_grad()
+            if i >= args.warmup:
+                loaded.append(t2 - t1)
+        per_step = torch.tensor([a + b + c for a, b, c in zip(fwd, bwd, opt_t)], dtype=torch.float64)
+        slowest, total = per_step.clone(), per_step.clone()
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        dist.all_reduce(total)
+        floor["cpu_comm_ms"] = max(0.0, med(loaded) - floor["t_bwd_ms"])
+        floor["skew_ms"] = statistics.median((slowest - total / world).tolist()) * 1e3
+        floor["cpu_floor_ms"] = floor["floor_ms"] + floor["cpu_comm_ms"] + floor["skew_ms"]
+        compute_step = floor["t_fwd_ms"] + floor["t_bwd_ms"] + floor["t_opt_ms"]
+        say(
+            f"compute-only step {compute_step:.1f} ms; all-reduce of {grad_bytes / 1e6:.1f} MB alone "
+            f"{t_comm:.1f} ms; floor {floor['floor_ms']:.1f} ms"
+        )
+        return floor, compute_step
+
+    # The warm-cache pass only times first steps and peak memory; it needs no floor.
+    floor, compute_step = ({}, 0.0) if args.first_step_only else measure_floor()
 
     # ---- the variants
     def ddp_step(
@@ -524,13 +543,17 @@ def _worker(args: argparse.Namespace, names: list[str]) -> None:
         try:
             v = build(name)
             first = v.step()
-            for _ in range(0 if args.first_step_only else args.warmup):
+            for _ in range(args.warmup):
                 v.step()
         except Exception as exc:  # noqa: BLE001 - the report says which variant failed and why
             results[name] = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
             say(f"{name} failed: {results[name]['error']}")
             continue
         results[name] = {"first_step_s": first, "cold_first_step_s": first, "rss_mb": _rss_mb() - rss0}
+        if args.first_step_only:  # this process built only this variant: its peak is the variant's
+            peak = torch.tensor([_rss_mb()], dtype=torch.float64)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            results[name]["peak_rss_mb"] = peak.item()
         if name.startswith("dc_"):
             results[name]["plan"] = {
                 "planned_by": [g.planned_by for g in v.model.graphs],

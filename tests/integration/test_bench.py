@@ -42,6 +42,7 @@ def test_benchmark_end_to_end_on_loopback(tmp_path: Path) -> None:
     for name, r in res["variants"].items():
         assert "error" not in r, (name, r)
         assert r["steps"] == 2 and r["median_ms"] > 0 and r["warm_first_step_s"] > 0, (name, r)
+        assert r["peak_rss_mb"] > 100, (name, r)  # torch alone is more: a real measurement
     assert res["floor"]["floor_ms"] > 0 and res["meta"]["link"] == "loopback"
     assert res["floor"]["cpu_floor_ms"] >= res["floor"]["floor_ms"]
     assert all(p.startswith("measured costs") for p in res["variants"]["dc_auto"]["plan"]["planned_by"])
