@@ -104,12 +104,15 @@ def _piece_compiler_class(cacheable: bool) -> type:
             ]
             real_mod = self.fetch_attr(str(n.target))
             fake_mod = deepcopy_to_fake_tensor(real_mod, self.fake_mode)
-            before = counters["aot_autograd"]["total"]
+            aot = counters["aot_autograd"]
+            before = (aot["total"], aot["autograd_cache_hit"])
             compiled = self.compile_submod(real_mod, fake_args, kwargs)
             tracing = torch._guards.TracingContext.try_get()
-            if tracing is not None and before != counters["aot_autograd"]["total"]:
-                # Inductor compiles a piece's backward lazily and reads that piece's
-                # AOTAutograd metadata from here (see SubmodCompiler.run_node).
+            if tracing is not None and before[0] != aot["total"] and before[1] == aot["autograd_cache_hit"]:
+                # Inductor compiles a piece's backward lazily, in reverse piece order, and
+                # reads that piece's AOTAutograd metadata from this list (see
+                # SubmodCompiler.run_node). A piece loaded from the cache brings its
+                # compiled backward along and takes no entry.
                 tracing.ddp_optimizer_ctx.curr_bucket += 1
                 tracing.ddp_optimizer_ctx.metadata_per_bucket.append(tracing.fw_metadata)
             self.module.delete_submodule(n.target)
