@@ -124,6 +124,32 @@ def _launch(args: argparse.Namespace, extra: list[str], net: tuple | None, cache
         raise SystemExit(f"[bench] a rank failed (exit codes {codes}); see the output above")
 
 
+def _first_steps(
+    args: argparse.Namespace, name: str, common: list, net: object, cache: str, out: dict
+) -> None:
+    # Each variant alone in new processes, first with an empty compile cache of its own, then
+    # with the cache that run filled: no variant pays or skips another's one-time costs
+    # (imports, Inductor's compile workers and headers), and the peak RSS is the variant's.
+    only = ["--variants", name, *common[2:], "--first-step-only"]
+    runs = {}
+    for phase in ("cold", "warm"):
+        path = os.path.join(os.path.dirname(cache), f"{phase}-{name}.json")
+        _launch(args, only, net, cache, path)
+        with open(path) as f:
+            runs[phase] = json.load(f)["variants"][name]
+    r = out.get(name, {})
+    if "error" in r or any("first_step_s" not in x for x in runs.values()):
+        return
+    r.update(
+        cold_first_step_s=runs["cold"]["first_step_s"],
+        warm_first_step_s=runs["warm"]["first_step_s"],
+        peak_rss_mb=runs["warm"]["peak_rss_mb"],
+        cold_peak_rss_mb=runs["cold"]["peak_rss_mb"],
+    )
+    if "plan" in r:
+        r["plan"]["warm_cache_hits"] = runs["warm"]["plan"]["cache_hits"]
+
+
 def _fmt(x: float | None, unit: str = "", nd: int = 1) -> str:
     return "-" if x is None else f"{x:.{nd}f}{unit}"
 
@@ -224,9 +250,9 @@ def _report(res: dict) -> str:
                 "exposed ms: time `backward()` waited for communication (distcompile's own figure); for the other "
                 "variants, step time minus the compute-only step (an estimate). overlap %: share of all-reduce "
                 "time that ran under computation (distcompile telemetry; not measurable for the others). cold s / "
-                "warm s: first step with an empty compile cache (the alternating run) / with the cache it filled, in "
-                "a new pair of processes per variant. peak RSS MB: the larger rank's peak resident memory in that "
-                "new process, which built only this variant and ran its warm-up steps (ratio to eager DDP's).",
+                "warm s: the first step of the variant alone in a new pair of processes, with an empty compile cache of "
+                "its own / with the cache that run filled. peak RSS MB: the larger rank's peak resident memory in the "
+                "warm process, which built only this variant and ran its warm-up steps (ratio to eager DDP's).",
                 "",
                 "Plans of the distcompile variants (buckets in launch order, MB):",
                 "",
@@ -264,7 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="DDP bucket_cap_mb for every variant (default: DDP's default)",
     )
-    p.add_argument("--no-warm", action="store_true", help="skip the warm-cache first-step measurement")
+    p.add_argument(
+        "--no-first-steps",
+        action="store_true",
+        help="skip the cold and warm first steps and peak RSS (each variant alone, in new processes)",
+    )
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -280,7 +310,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
     if args.worker:
         _worker(args, names)
-        return 0
+        # The results are on disk. Skip interpreter teardown: about one worker in three that
+        # had just compiled with an empty cache aborted there ("terminate called without an
+        # active exception", SIGABRT), after its work was done; not diagnosed further.
+        sys.stdout.flush()
+        os._exit(0)
 
     common = [
         "--variants",
@@ -303,21 +337,13 @@ def main(argv: list[str] | None = None) -> int:
         _launch(args, common, net, cache, out)
         with open(out) as f:
             res = json.load(f)
-        for k, name in enumerate([] if args.no_warm else names):
-            # A new pair of processes per variant: a warm start as a user restarting would
-            # see it, and a peak RSS that belongs to this variant alone.
-            print(f"[bench] warm-cache first step and peak memory, {name} ({k + 1}/{len(names)})", flush=True)
-            warm_out = os.path.join(tmp, f"warm-{name}.json")
-            only = ["--variants", name, *common[2:], "--first-step-only"]
-            _launch(args, only, net, cache, warm_out)
-            with open(warm_out) as f:
-                r = json.load(f)["variants"][name]
-            if name in res["variants"] and "first_step_s" in r:
-                res["variants"][name].update(
-                    warm_first_step_s=r["first_step_s"], peak_rss_mb=r["peak_rss_mb"]
-                )
-                if "plan" in r:
-                    res["variants"][name]["plan"]["warm_cache_hits"] = r["plan"]["cache_hits"]
+        for k, name in enumerate([] if args.no_first_steps else names):
+            print(
+                f"[bench] first steps of {name} alone ({k + 1}/{len(names)}): empty compile cache, then the "
+                "cache it filled",
+                flush=True,
+            )
+            _first_steps(args, name, common, net, os.path.join(tmp, f"cache-{name}"), res["variants"])
     link = args.link if net else "loopback"
     res["meta"].update(
         link=link,
@@ -555,7 +581,7 @@ def _worker(args: argparse.Namespace, names: list[str]) -> None:
             results[name] = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
             say(f"{name} failed: {results[name]['error']}")
             continue
-        results[name] = {"first_step_s": first, "cold_first_step_s": first, "rss_mb": _rss_mb() - rss0}
+        results[name] = {"first_step_s": first, "rss_mb": _rss_mb() - rss0}
         if args.first_step_only:  # this process built only this variant: its peak is the variant's
             peak = torch.tensor([_rss_mb()], dtype=torch.float64)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
