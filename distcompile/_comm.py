@@ -155,7 +155,11 @@ class _FlatBucket:
 
     def finish(self) -> None:
         assert self.work is not None, "finish() before launch()"
-        self.work.wait()
+        # Drop the Work at once rather than at the next step: the last step's Work would
+        # otherwise live until interpreter teardown, holding this buffer and (with
+        # telemetry) a Python callback.
+        work, self.work = self.work, None
+        work.wait()
         used = self.wire[self.numel :].tolist()
         for i, p in enumerate(self.params):
             if used[i] <= 0:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -103,10 +104,19 @@ def main() -> None:
     # uninterrupted run's after a resume.
     with torch.no_grad():
         digest = sum(float(p.double().sum()) * (i + 1) for i, p in enumerate(model.parameters()))
-    print(f"rank {rank} final parameter digest {digest!r}", flush=True)
+    # One write per line: two ranks printing at once must not interleave within a line.
+    sys.stdout.write(f"rank {rank} final parameter digest {digest!r}\n")
+    sys.stdout.flush()
     if args.distcompile:
         model.close()
     dist.destroy_process_group()
+    # Everything is written. About one worker in six aborted after this point, during
+    # interpreter finalization ("terminate called without an active exception", no Python
+    # frame left), which torchrun reports as a failed run; ending here skips that teardown.
+    # Open bug: see docs/design.md, Known limits.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
