@@ -77,7 +77,8 @@ def _may_change_layout(piece: fx.GraphModule) -> bool:
     return not torch._inductor.config.keep_output_stride
 
 
-def _piece_compiler_class(cacheable: bool) -> type:
+@functools.cache
+def _piece_compiler_class() -> type:
     from torch._dynamo.backends.distributed import SubmodCompiler
     from torch._dynamo.utils import counters, deepcopy_to_fake_tensor
 
@@ -88,12 +89,18 @@ def _piece_compiler_class(cacheable: bool) -> type:
         Inductor chose for a piece's outputs reach the next piece's compile; AOTAutograd
         refuses to cache such graphs, so a warm restart re-ran AOTAutograd for every piece
         (measured: 4-7 s of a warm first step). A piece without convolutions keeps eager
-        strides on its outputs under Inductor, so for those the next piece's inputs come
-        from running the uncompiled piece on fake tensors, and the compile is cacheable.
+        strides on its outputs under Inductor, so for those (when ``cacheable``) the next
+        piece's inputs come from running the uncompiled piece on fake tensors, and the
+        compile is cacheable.
         """
 
+        cacheable = False
+
         def run_node(self, n: fx.Node) -> object:
-            if not cacheable or n.op != "call_module" or _may_change_layout(self.fetch_attr(str(n.target))):
+            if not self.cacheable or n.op != "call_module":
+                return super().run_node(n)
+            real_mod = self.fetch_attr(str(n.target))
+            if _may_change_layout(real_mod):
                 return super().run_node(n)
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             fake_args = [
@@ -102,7 +109,6 @@ def _piece_compiler_class(cacheable: bool) -> type:
                 else a
                 for a in args
             ]
-            real_mod = self.fetch_attr(str(n.target))
             fake_mod = deepcopy_to_fake_tensor(real_mod, self.fake_mode)
             aot = counters["aot_autograd"]
             before = (aot["total"], aot["autograd_cache_hit"])
@@ -120,15 +126,13 @@ def _piece_compiler_class(cacheable: bool) -> type:
             self.module.add_submodule(n.target, compiled)
             with self.fake_mode, unittest.mock.patch.object(self.fake_mode, "allow_non_fake_inputs", True):
                 out = fake_mod(*fake_args, **kwargs)
-            log.debug(
-                "%s outputs (shape, stride): %s",
-                n.target,
-                [
+            if log.isEnabledFor(logging.DEBUG):
+                strides = [
                     (tuple(t.shape), t.stride())
                     for t in torch.utils._pytree.tree_leaves(out)
                     if isinstance(t, torch.Tensor)
-                ],
-            )
+                ]
+                log.debug("%s outputs (shape, stride): %s", n.target, strides)
             return out
 
     return PieceCompiler
@@ -166,7 +170,9 @@ def split_and_compile(
     # interpreter rather than re-implement those internals; the splits are ours, and
     # so is the cacheable path for pieces whose output strides cannot change.
     with torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing():
-        _piece_compiler_class(cacheable)(split_gm, compiler, fake_mode).run(*example_inputs)
+        interpreter = _piece_compiler_class()(split_gm, compiler, fake_mode)
+        interpreter.cacheable = cacheable
+        interpreter.run(*example_inputs)
     split_gm.recompile()
     log.debug("split graph:\n%s", split_gm.graph)
     return split_gm
