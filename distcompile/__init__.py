@@ -10,20 +10,24 @@ from ._config import Config
 from ._doctor import DoctorReport, StageResult, doctor
 from ._errors import (
     CommunicationError,
+    CompileError,
     ConfigError,
     DesyncError,
     DistCompileError,
     NonFiniteGradientError,
     RecompileError,
     UnsupportedModelError,
+    UnsupportedTorchError,
 )
 from ._explain import ExplainedGraph, Explanation, explain
 from ._planning import Bucket, NodeInfo, Plan, plan_graph
+from ._torch_compat import warn_if_untested as _warn_if_untested
 from ._wrap import DistCompiledModule, GraphRecord, wrap
 
 __all__ = [
     "Bucket",
     "CommunicationError",
+    "CompileError",
     "Config",
     "ConfigError",
     "DesyncError",
@@ -39,6 +43,7 @@ __all__ = [
     "RecompileError",
     "StageResult",
     "UnsupportedModelError",
+    "UnsupportedTorchError",
     "doctor",
     "explain",
     "latest_checkpoint",
@@ -49,3 +54,5 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_warn_if_untested()  # once, at import: the torch release is outside the tested range

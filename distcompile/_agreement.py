@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from . import _torch_compat as compat
 from ._errors import DesyncError
 
 __all__ = ["check_agreement", "default_store", "mark_failed", "failed_ranks"]
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 
 def default_store() -> dist.Store:
     """The default process group's store (shared by every rank of the job)."""
-    return dist.distributed_c10d._get_default_store()
+    return compat.default_store()
 
 
 def check_agreement(

@@ -389,6 +389,7 @@ def _worker(args: argparse.Namespace, names: list[str]) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import distcompile
+    from distcompile import _torch_compat as compat
     from distcompile._capture import own_forward_code
     from distcompile.models import GPT, GPTConfig, synthetic_batch
 
@@ -507,12 +508,14 @@ def _worker(args: argparse.Namespace, names: list[str]) -> None:
         ctx: Callable = contextlib.nullcontext,
         mode: object = None,
     ) -> Callable[[], float]:
+        # PyTorch's DDPOptimizer switch is read while compiling (and by DDP when built):
+        # each variant's steps run under its own setting, restored afterwards.
+        ddp_mode = (lambda: compat.set_optimize_ddp(mode)) if mode is not None else contextlib.nullcontext
+
         def step() -> float:
-            if mode is not None:
-                torch._dynamo.config.optimize_ddp = mode
             x, y = next_batch()
             t0 = time.perf_counter()
-            with ctx():
+            with ddp_mode(), ctx():
                 loss = GPT.loss(model(x), y)
                 loss.backward()
             opt.step()
@@ -524,16 +527,15 @@ def _worker(args: argparse.Namespace, names: list[str]) -> None:
     def distinct_inductor() -> Callable:
         # A backend object per variant: TorchDynamo caches compiled code per backend, so
         # variants compiled from the same DDP.forward never reuse each other's graphs.
-        from torch._inductor.compile_fx import compile_fx
-
+        compile_fx = compat.inductor_compiler(mode=None, dynamic=None, cudagraphs=False)
         return lambda gm, ex: compile_fx(gm, ex)
 
     def build(name: str) -> _Variant:
         # Read when DDP is built: "python_reducer" makes DDP all-reduce from Python hooks.
-        torch._dynamo.config.optimize_ddp = "python_reducer" if name == "compiled_autograd" else True
         # Every variant gets the same DDP bucketing: DDP's defaults (25 MiB, 1 MiB first bucket)
         # unless --bucket-cap-mb is given, which (as in DDP) also sets the first bucket's size.
-        ddp = DDP(fresh(name), **({"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {}))
+        with compat.set_optimize_ddp("python_reducer" if name == "compiled_autograd" else True):
+            ddp = DDP(fresh(name), **({"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {}))
         mode, ctx = None, contextlib.nullcontext
         if name == "ddp":
             model = ddp
@@ -542,12 +544,11 @@ def _worker(args: argparse.Namespace, names: list[str]) -> None:
             model = ddp
         elif name in ("compile_ddpopt", "compile_noopt"):
             mode = name == "compile_ddpopt"
-            torch._dynamo.config.optimize_ddp = mode
             model = torch.compile(ddp, backend=distinct_inductor())
         elif name == "compiled_autograd":
             mode = "python_reducer"
             model = torch.compile(ddp, backend=distinct_inductor())
-            ctx = lambda: torch._dynamo.config.patch(compiled_autograd=True)  # noqa: E731
+            ctx = compat.compiled_autograd
         else:
             logdir = tempfile.mkdtemp(prefix=f"dc_{name}_")
             model = distcompile.wrap(

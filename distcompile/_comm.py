@@ -46,17 +46,44 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from . import _torch_compat as compat
 from ._errors import CommunicationError, DistCompileError, NonFiniteGradientError, UnsupportedModelError
 from ._timeline import Span, StepTimeline
 
 if TYPE_CHECKING:
     from ._telemetry import Telemetry
 
-__all__ = ["BucketReducer", "StepStats"]
+__all__ = ["BucketReducer", "StepStats", "broadcast_coalesced"]
 
 log = logging.getLogger(__name__)
 
 _COMPRESSED = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def broadcast_coalesced(
+    tensors: Sequence[torch.Tensor], *, src: int, group: dist.ProcessGroup | None
+) -> None:
+    """Overwrite ``tensors`` on every rank with global rank ``src``'s values, one broadcast per dtype.
+
+    What DDP does for its buffers before each forward, with public collectives: the
+    tensors of one dtype and device travel as one flat buffer.
+
+    Example:
+        >>> # broadcast_coalesced(list(model.buffers()), src=0, group=None)
+    """
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    mine = dist.get_rank() == src
+    for members in groups.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in members])
+        dist.broadcast(flat, src=src, group=group)
+        if mine:
+            continue
+        offset = 0
+        for t in members:
+            t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 class _FlatBucket:
@@ -335,7 +362,7 @@ class BucketReducer:
         if step.order is None:
             step.order, self._locate = self._schedule(tuple(step.graphs))
             step.started = time.perf_counter()
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_step)
+            compat.queue_engine_callback(self._finish_step)
         bucket, i = self._locate[id(param)]
         if not bucket.ready[i]:
             bucket.ready[i] = True

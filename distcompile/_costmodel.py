@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from . import _torch_compat as compat
 from ._planning import GraphCosts
 
 __all__ = ["CostModel", "measure_costs", "node_flops", "time_allreduce"]
@@ -245,11 +246,9 @@ def node_flops(gm: fx.GraphModule, example_inputs: Sequence[object], body: Seque
         >>> node_flops(gm, [torch.zeros(2, 4)], [n for n in gm.graph.nodes if n.op == "call_module"])
         [64.0, 0.0]
     """
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = compat.fake_mode_of(list(example_inputs))
     wanted = set(body)
     flops: dict[fx.Node, float] = {}
     counter = FlopCounterMode(display=False)

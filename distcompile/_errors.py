@@ -14,6 +14,8 @@ __all__ = [
     "RecompileError",
     "CommunicationError",
     "NonFiniteGradientError",
+    "UnsupportedTorchError",
+    "CompileError",
 ]
 
 
@@ -43,3 +45,11 @@ class CommunicationError(DistCompileError):
 
 class NonFiniteGradientError(DistCompileError):
     """A synchronized gradient holds NaN or Inf (``detect_nonfinite=True``)."""
+
+
+class UnsupportedTorchError(DistCompileError):
+    """The installed torch lacks an internal distcompile needs (outside the tested range)."""
+
+
+class CompileError(DistCompileError):
+    """Capturing, planning or compiling a graph failed inside torch; says where and what to try."""

@@ -18,6 +18,7 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
+from . import _torch_compat as compat
 from ._capture import CapturedGraph
 from ._planning import Plan
 from ._timeline import Span
@@ -41,27 +42,15 @@ def inner_compiler(backend: str, *, mode: str | None, cudagraphs: bool, dynamic:
         True
     """
     if backend != "inductor":
-        return torch._dynamo.lookup_backend(backend)
-    from torch._inductor import list_mode_options
-    from torch._inductor.compile_fx import compile_fx
-
-    patches = dict(list_mode_options(mode, dynamic)) if mode else {}
-    # The mode presets may switch CUDA graphs on (reduce-overhead); our option decides.
-    patches["triton.cudagraphs"] = cudagraphs
-    return functools.partial(compile_fx, config_patches=patches)
+        return compat.lookup_backend(backend)
+    return compat.inductor_compiler(mode=mode, dynamic=dynamic, cudagraphs=cudagraphs)
 
 
 def _propagate_metadata(gm: fx.GraphModule, split_gm: fx.GraphModule) -> None:
     # AOTAutograd and Inductor read Dynamo's graph metadata and each placeholder's
     # source (for parameter detection and guards) from the module they compile.
-    sources = {n.name: getattr(n, "_dynamo_source", None) for n in gm.graph.find_nodes(op="placeholder")}
-    for name in split_gm.meta["partition_names"]:
-        sub = getattr(split_gm, name)
-        sub.meta = gm.meta
-        if hasattr(gm, "_param_name_to_source"):
-            sub._param_name_to_source = gm._param_name_to_source
-        for node in sub.graph.find_nodes(op="placeholder"):
-            node._dynamo_source = sources.get(node.name)
+    for name in compat.piece_names(split_gm):
+        compat.copy_dynamo_metadata(gm, getattr(split_gm, name))
 
 
 def _may_change_layout(piece: fx.GraphModule) -> bool:
@@ -74,15 +63,12 @@ def _may_change_layout(piece: fx.GraphModule) -> bool:
         name = getattr(target, "__name__", type(target).__name__) if node.op != "call_method" else target
         if node.op != "placeholder" and node.op != "output" and "conv" in str(name).lower():
             return True
-    return not torch._inductor.config.keep_output_stride
+    return not compat.inductor_keeps_output_strides()
 
 
 @functools.cache
 def _piece_compiler_class() -> type:
-    from torch._dynamo.backends.distributed import SubmodCompiler
-    from torch._dynamo.utils import counters, deepcopy_to_fake_tensor
-
-    class PieceCompiler(SubmodCompiler):
+    class PieceCompiler(compat.piece_compiler_base()):
         """PyTorch's DDPOptimizer interpreter, with AOTAutograd's cache left usable.
 
         DDPOptimizer compiles every piece with ``fakify_first_call`` so that the strides
@@ -103,24 +89,15 @@ def _piece_compiler_class() -> type:
             if _may_change_layout(real_mod):
                 return super().run_node(n)
             args, kwargs = self.fetch_args_kwargs_from_env(n)
-            fake_args = [
-                torch._dynamo.utils.to_fake_tensor(a, self.fake_mode)
-                if isinstance(a, torch.Tensor) and not isinstance(a, torch._subclasses.FakeTensor)
-                else a
-                for a in args
-            ]
-            fake_mod = deepcopy_to_fake_tensor(real_mod, self.fake_mode)
-            aot = counters["aot_autograd"]
-            before = (aot["total"], aot["autograd_cache_hit"])
+            fake_args = [compat.to_fake(a, self.fake_mode) for a in args]
+            fake_mod = compat.fake_module(real_mod, self.fake_mode)
+            before = compat.aot_autograd_counts()
             compiled = self.compile_submod(real_mod, fake_args, kwargs)
-            tracing = torch._guards.TracingContext.try_get()
-            if tracing is not None and before[0] != aot["total"] and before[1] == aot["autograd_cache_hit"]:
-                # Inductor compiles a piece's backward lazily, in reverse piece order, and
-                # reads that piece's AOTAutograd metadata from this list (see
-                # SubmodCompiler.run_node). A piece loaded from the cache brings its
-                # compiled backward along and takes no entry.
-                tracing.ddp_optimizer_ctx.curr_bucket += 1
-                tracing.ddp_optimizer_ctx.metadata_per_bucket.append(tracing.fw_metadata)
+            after = compat.aot_autograd_counts()
+            if before[0] != after[0] and before[1] == after[1]:
+                # A piece loaded from AOTAutograd's cache brings its compiled backward
+                # along and takes no metadata entry; a compiled one does.
+                compat.record_piece_metadata()
             self.module.delete_submodule(n.target)
             n.target = "compiled_" + n.target
             self.module.add_submodule(n.target, compiled)
@@ -129,7 +106,7 @@ def _piece_compiler_class() -> type:
             if log.isEnabledFor(logging.DEBUG):
                 strides = [
                     (tuple(t.shape), t.stride())
-                    for t in torch.utils._pytree.tree_leaves(out)
+                    for t in compat.tree_leaves(out)
                     if isinstance(t, torch.Tensor)
                 ]
                 log.debug("%s outputs (shape, stride): %s", n.target, strides)
@@ -162,14 +139,14 @@ def split_and_compile(
     segment = {node: plan.segment_of(i) for i, node in enumerate(captured.body)}
     split_gm = split_module(gm, None, lambda node: segment.get(node, 0), keep_original_order=True)
     _propagate_metadata(gm, split_gm)
-    fake_mode = torch._guards.detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode()
+    fake_mode = compat.fake_mode_of(list(example_inputs))
     # Compiling the pieces is the same job PyTorch's DDPOptimizer does after choosing
     # its own splits: run the split module under fake tensors, compile each piece with
     # the inputs it sees, and keep AOTAutograd's per-piece metadata in the tracing
     # context (needed by Inductor's lazily compiled backward). We reuse that
     # interpreter rather than re-implement those internals; the splits are ours, and
     # so is the cacheable path for pieces whose output strides cannot change.
-    with torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing():
+    with compat.saved_tensors_hooks_disabled():
         interpreter = _piece_compiler_class()(split_gm, compiler, fake_mode)
         interpreter.cacheable = cacheable
         interpreter.run(*example_inputs)
@@ -186,11 +163,7 @@ def _timed_call(fn: Callable, args: tuple, telemetry: Telemetry, label: str) -> 
     timeline = telemetry.timeline
     timeline.add(Span("compute", f"{label} fwd", t0, time.perf_counter()))
     node = next(
-        (
-            t.grad_fn
-            for t in torch.utils._pytree.tree_leaves(out)
-            if isinstance(t, torch.Tensor) and t.grad_fn
-        ),
+        (t.grad_fn for t in compat.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn),
         None,
     )
     if node is not None:
@@ -228,8 +201,10 @@ def instrument(compiled: Callable, telemetry: Telemetry, graph_id: int) -> Calla
     Example:
         >>> # used by distcompile.wrap when logdir= is given
     """
-    if isinstance(compiled, fx.GraphModule) and "partition_names" in compiled.meta:
-        pieces = [n for n, _ in compiled.named_children() if n.startswith("compiled_submod_")]
+    # split_and_compile renamed each piece submod_N -> compiled_submod_N.
+    pieces = [n for n, _ in compiled.named_children()] if isinstance(compiled, fx.GraphModule) else []
+    pieces = [n for n in pieces if n.startswith("compiled_submod_")]
+    if pieces:
         for k, name in enumerate(sorted(pieces, key=lambda n: int(n.rsplit("_", 1)[1]))):
             setattr(compiled, name, _TimedPiece(getattr(compiled, name), telemetry, f"g{graph_id}.s{k}"))
         return compiled

@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Sequence
 
+from . import _torch_compat as compat
 from ._comm import StepStats
 from ._timeline import Span, StepTimeline, chrome_trace, overlap_pct, union
 
@@ -104,14 +105,14 @@ class Telemetry:
         segment_s: Sequence[float],
         plan_table: str,
         breaks: Sequence[str],
-        recompile_reason: str | None,
+        recompile_reasons: Sequence[str],
         cache_hits: int,
     ) -> None:
         self._compile_spans.append(
             Span("compile", f"graph {graph_id}", start, end, args={"segments": len(segment_s)})
         )
         self.graph_breaks.extend(breaks)
-        if recompile_reason:
+        if recompile_reasons:
             self.recompiles += 1
         w = self.writer
         if w is None:
@@ -130,8 +131,9 @@ class Telemetry:
         )
         if breaks:
             w.add_text("compile/graph_breaks", "\n".join(f"- {b}" for b in self.graph_breaks), step)
-        if recompile_reason:
-            w.add_text("compile/recompile_reasons", f"graph {graph_id}: `{recompile_reason}`", step)
+        if recompile_reasons:
+            guards = "\n".join(f"- `{r}`" for r in recompile_reasons)
+            w.add_text("compile/recompile_reasons", f"graph {graph_id}, failed guards:\n{guards}", step)
         w.flush()
 
     # -- step side -----------------------------------------------------------------------
@@ -197,7 +199,7 @@ class Telemetry:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         summary = Summary(value=[Summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()])
-        self.writer._get_file_writer().add_summary(summary, step)
+        compat.write_summary(self.writer, summary, step)
 
     def close(self) -> None:
         if self.writer is not None:

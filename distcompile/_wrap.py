@@ -17,12 +17,13 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from . import _torch_compat as compat
 from ._agreement import check_agreement, default_store, failed_ranks, mark_failed
 from ._capture import read_graph
-from ._comm import BucketReducer, StepStats
+from ._comm import BucketReducer, StepStats, broadcast_coalesced
 from ._config import Config
 from ._costmodel import CostModel, measure_costs, node_flops
-from ._errors import ConfigError, DistCompileError, RecompileError, UnsupportedModelError
+from ._errors import CompileError, ConfigError, DistCompileError, RecompileError, UnsupportedModelError
 from ._planning import DEFAULT_FIRST_BUCKET_BYTES, GraphCosts, Plan, plan_graph
 from ._segments import inner_compiler, instrument, split_and_compile
 from ._telemetry import Telemetry
@@ -33,7 +34,6 @@ log = logging.getLogger(__name__)
 
 _MB = 1024 * 1024
 _DDP_DEFAULT_CAP_MB = 25
-_BUFFER_BROADCAST_BYTES = 250 * _MB  # DDP's broadcast_bucket_size
 _wrap_ids = itertools.count()
 
 
@@ -50,7 +50,8 @@ class GraphRecord:
         segment_compile_s: Forward compile seconds of each segment.
         graph_break: Why TorchDynamo ended this graph early (``None`` if it ran to the
             end of the compiled function), with the user code location.
-        recompile_reason: The failed guard, if this graph recompiles code compiled before.
+        recompile_reasons: Every failed guard, in TorchDynamo's order (one per cached
+            entry of this model's code), if this graph recompiles code compiled before.
         cache_hits: FX-graph and AOTAutograd cache hits while compiling it.
         planned_by: How the segments were chosen: the bucket caps, or the measured
             costs (``bucket_cap_mb="auto"``).
@@ -62,9 +63,14 @@ class GraphRecord:
     num_nodes: int
     segment_compile_s: tuple[float, ...] = ()
     graph_break: str | None = None
-    recompile_reason: str | None = None
+    recompile_reasons: tuple[str, ...] = ()
     cache_hits: int = 0
     planned_by: str = ""
+
+    @property
+    def recompile_reason(self) -> str | None:
+        """All failed guards on one line (``None`` for a first compile)."""
+        return "; ".join(self.recompile_reasons) or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +96,7 @@ _HOOK_COMPRESSION = {
 
 
 def _ddp_hook_compression(ddp: DDP) -> str | None:
-    names = [getattr(h, "__qualname__", repr(h)) for h, _ in getattr(ddp, "_comm_hooks", [])]
-    if not names:  # built-in (C++) hooks are only visible in DDP's logging data
-        builtin = ddp._get_ddp_logging_data().get("comm_hook", "")
-        names = [builtin] if builtin else []
+    names = compat.ddp_comm_hook_names(ddp)
     for name in names:
         if name not in _HOOK_COMPRESSION:
             raise UnsupportedModelError(
@@ -111,7 +114,7 @@ def _settings(model: nn.Module, cfg: Config) -> tuple[nn.Module, _DDPSettings]:
             f"distcompile.wrap expects a torch.nn.Module or DistributedDataParallel, got "
             f"{type(model).__name__}. Pass your model object (e.g. DDP(MyModel()))."
         )
-    if isinstance(model, (DistCompiledModule, torch._dynamo.eval_frame.OptimizedModule)):
+    if isinstance(model, DistCompiledModule) or compat.is_compiled_module(model):
         raise UnsupportedModelError(
             f"got an already compiled model ({type(model).__name__}); distcompile compiles the "
             "model itself. Pass the uncompiled DDP model (drop torch.compile / the earlier wrap)."
@@ -128,7 +131,7 @@ def _settings(model: nn.Module, cfg: Config) -> tuple[nn.Module, _DDPSettings]:
                 f"DDP mixed_precision={model.mixed_precision!r} is not supported. Use "
                 "torch.autocast in the training loop and compression='bf16' instead."
             )
-        if getattr(model, "_use_python_reducer", False):
+        if compat.ddp_uses_python_reducer(model):
             raise UnsupportedModelError(
                 "the DDP model was built while torch._dynamo.config.optimize_ddp='python_reducer', so "
                 "its Python reducer all-reduces every gradient itself and distcompile would communicate "
@@ -167,18 +170,10 @@ def _settings(model: nn.Module, cfg: Config) -> tuple[nn.Module, _DDPSettings]:
         broadcast_buffers=_pick(cfg.broadcast_buffers, True),
         grad_as_view=_pick(cfg.gradient_as_bucket_view, False),
         compression=cfg.compression,
-        ignored=frozenset(getattr(model, "_ddp_params_and_buffers_to_ignore", ())),
+        ignored=compat.ddp_ignored_names(model),
         device=None,
     )
     return model, settings
-
-
-def _compile_counters() -> dict:
-    counters = torch._dynamo.utils.counters
-    hits = counters["inductor"].get("fxgraph_cache_hit", 0) + counters["aot_autograd"].get(
-        "autograd_cache_hit", 0
-    )
-    return {"hits": hits}
 
 
 def graph_break_reason(gm: fx.GraphModule) -> str | None:
@@ -188,31 +183,29 @@ def graph_break_reason(gm: fx.GraphModule) -> str | None:
         >>> graph_break_reason(fx.symbolic_trace(torch.nn.Linear(1, 1))) is None
         True
     """
-    reason = getattr(gm, "compile_subgraph_reason", None)
-    if reason is None or not getattr(reason, "graph_break", False):
+    parts = compat.graph_break_parts(gm)
+    if parts is None:
         return None
-    text = " ".join(str(reason.reason).split())
+    reason, stack = parts
+    text = " ".join(reason.split())
     text = re.sub(r" Developer debug context:.*?(?= For more details|$)", "", text)  # internal detail
-    stack = getattr(reason, "user_stack", None) or []
     if stack:
         frame = stack[-1]
         text += f" (at {frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()})"
     return text
 
 
-def _recompile_reason() -> str | None:
-    # TorchDynamo records the failed guard of a recompile in its metrics context
-    # (torch._dynamo.convert_frame); absent on other versions, which is harmless.
-    try:
-        metrics = torch._dynamo.utils.get_metrics_context()._metrics
-    except Exception:  # noqa: BLE001 - private API, best effort
-        return None
-    reason = metrics.get("recompile_reason") if isinstance(metrics, dict) else None
-    if not reason or "BACKEND_MATCH" in str(reason):
-        # BACKEND_MATCH: another wrap() of the same model class compiled this code first
-        # (each wrapped model is its own backend); for this model it is a first compile.
-        return None
-    return str(reason)
+def _ladder_hint(backend: str) -> str:
+    lower = {"inductor": "aot_eager", "aot_eager": "eager"}.get(backend)
+    if lower is None:
+        return (
+            "backend='eager' only captures the graph, so the failure is in TorchDynamo's capture or in "
+            "splitting it: check the model under plain torch.compile(model, backend='eager')."
+        )
+    return (
+        f"Try the next step down the debugging ladder, wrap(..., backend={lower!r}): if that works, the "
+        f"problem is in the {backend} stage (distcompile.doctor walks the whole ladder)."
+    )
 
 
 def _make_telemetry(config: Config, rank: int, first_rank: int) -> Telemetry | None:
@@ -266,11 +259,24 @@ def _check_same_params(module: nn.Module, settings: _DDPSettings, cfg: Config) -
     )
 
 
+def _check_same_shapes(module: nn.Module, cfg: Config) -> None:
+    # A plain module gets no DDP constructor check; without this, ranks whose models differ
+    # in shape would hang or fail inside the first broadcast.
+    check_agreement(
+        default_store(),
+        f"distcompile/shapes{next(_param_checks)}",
+        "\n".join(f"{n} {tuple(p.shape)} {p.dtype}" for n, p in module.named_parameters()),
+        rank=dist.get_rank(),
+        ranks=list(range(dist.get_world_size())),
+        timeout_s=cfg.desync_timeout_s,
+        what="the model's parameter names, shapes and dtypes",
+        fix="Every rank must build the same model before wrap().",
+    )
+
+
 def _costs_dir() -> str:
     # Next to Inductor's compile cache: the remembered costs exist to keep that cache useful.
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return os.path.join(cache_dir(), "distcompile")
+    return os.path.join(compat.inductor_cache_dir(), "distcompile")
 
 
 def _pick(option: bool | None, inherited: bool) -> bool:
@@ -350,27 +356,56 @@ class DistCompiledModule(nn.Module):
         self._compiler = inner_compiler(
             config.backend, mode=config.mode, cudagraphs=config.cudagraphs, dynamic=config.dynamic
         )
-        compiled = torch.compile(
-            module, backend=self._compile_graph, fullgraph=config.fullgraph, dynamic=config.dynamic
+        self._guard_failures: list[str] = []
+        compiled = compat.compile_module(
+            module,
+            backend=self._compile_graph,
+            fullgraph=config.fullgraph,
+            dynamic=config.dynamic,
+            on_guard_failure=self._guard_failed,
         )
         object.__setattr__(self, "_compiled", compiled)  # not a registered submodule
 
     # -- the TorchDynamo backend -------------------------------------------------------
+    def _guard_failed(self, reason: str) -> None:
+        # Called by TorchDynamo for each failed guard of *this* model's cached code while
+        # it looks for a reason to recompile; the compile that follows takes them all.
+        self._guard_failures.append(reason)
+
     def _compile_graph(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        graph_id = next(self._graph_ids)
+        doing = ["reading the captured graph"]
+        try:
+            return self._compile_graph_steps(gm, example_inputs, graph_id, doing)
+        except DistCompileError:
+            raise
+        except Exception as exc:
+            raise CompileError(
+                f"rank {self._rank}: {doing[0]} of graph {graph_id} ({len(gm.graph.nodes)} FX nodes, "
+                f"backend={self.config.backend!r}) failed inside torch {torch.__version__}: "
+                f"{type(exc).__name__}: {' '.join(str(exc).split())[:800]}. "
+                f"{_ladder_hint(self.config.backend)} The torch traceback is chained below; "
+                "distcompile.explain(model, *inputs) shows the graphs and segments."
+            ) from exc
+
+    def _compile_graph_steps(
+        self, gm: fx.GraphModule, example_inputs: list, graph_id: int, doing: list[str]
+    ) -> Callable:
         t0 = time.perf_counter()
-        reason = _recompile_reason()
-        if reason and self.config.recompile == "error" and self._reducer.steps > 0:
+        reasons = tuple(r.splitlines()[0] for r in self._guard_failures if "BACKEND_MATCH" not in r)
+        self._guard_failures.clear()
+        if reasons and self.config.recompile == "error" and self._reducer.steps > 0:
             raise RecompileError(
                 f"rank {self._rank}: TorchDynamo is recompiling after {self._reducer.steps} step(s) because "
-                f"guard {reason!r} failed, and recompile='error' forbids recompiles after warm-up. Keep "
-                "input shapes, dtypes and module flags (train/eval) constant, mark varying dimensions "
-                "with torch._dynamo.mark_dynamic(x, dim) or wrap(..., dynamic=True) before the first "
-                "step, or use recompile='allow'."
+                f"guard(s) {list(reasons)!r} failed, and recompile='error' forbids recompiles after "
+                "warm-up. Keep input shapes, dtypes and module flags (train/eval) constant, mark varying "
+                "dimensions with torch._dynamo.mark_dynamic(x, dim) or wrap(..., dynamic=True) before "
+                "the first step, or use recompile='allow'."
             )
-        before = _compile_counters()
-        graph_id = next(self._graph_ids)
+        hits_before = compat.compile_cache_hits()
         s = self._settings
         captured = read_graph(gm, example_inputs, self._names_by_id)
+        doing[0] = "planning segments and buckets"
         param_bytes = {n: p.numel() * p.element_size() for n, p in captured.params.items()}
         owned = self._reducer.claimed()  # parameters an earlier graph of this step buckets
         costs = self._graph_costs(gm, example_inputs, captured.body, first_graph=not owned)
@@ -392,6 +427,7 @@ class DistCompiledModule(nn.Module):
             for x in example_inputs
         ]
         summary = f"inputs: {shapes}\n{gm.code.strip()}\nplan:\n{plan.describe()}"
+        doing[0] = "checking that every rank captured the same graph"
         check_agreement(
             default_store(),
             f"{self._store_prefix}/graph{graph_id}",
@@ -401,15 +437,27 @@ class DistCompiledModule(nn.Module):
             timeout_s=self.config.desync_timeout_s,
             what=f"graph {graph_id}",
         )
+        log.info(
+            "graph %d: %d nodes -> %d segment(s), %d bucket(s) (%s); compiling with %s%s",
+            graph_id,
+            len(captured.nodes),
+            len(plan.segments),
+            len(plan.buckets),
+            planned_by,
+            self.config.backend,
+            f" (recompile: {'; '.join(reasons)})" if reasons else "",
+        )
         segment_s: list[float] = []
 
         def timed_compiler(piece: fx.GraphModule, inputs: list) -> Callable:
+            doing[0] = f"compiling segment {len(segment_s)} of {len(plan.segments)}"
             start = time.perf_counter()
             try:
                 return self._compiler(piece, inputs)
             finally:
                 segment_s.append(time.perf_counter() - start)
 
+        doing[0] = "splitting the graph into segments"
         compiled = split_and_compile(
             gm,
             example_inputs,
@@ -419,7 +467,6 @@ class DistCompiledModule(nn.Module):
             cacheable=self.config.backend == "inductor",
         )
         self._reducer.add_graph(graph_id, [b.params for b in plan.buckets])
-        after = _compile_counters()
         record = GraphRecord(
             graph_id=graph_id,
             plan=plan,
@@ -427,22 +474,25 @@ class DistCompiledModule(nn.Module):
             num_nodes=len(captured.nodes),
             segment_compile_s=tuple(segment_s),
             graph_break=graph_break_reason(gm),
-            recompile_reason=reason,
-            cache_hits=after["hits"] - before["hits"],
+            recompile_reasons=reasons,
+            cache_hits=compat.compile_cache_hits() - hits_before,
             planned_by=planned_by,
         )
         self.graphs.append(record)
         log.info(
-            "graph %d: %d nodes -> %d segments, %d buckets (%s), compiled in %.2f s",
+            "graph %d compiled in %.2f s (%d cache hit(s))%s",
             graph_id,
-            record.num_nodes,
-            len(plan.segments),
-            len(plan.buckets),
-            planned_by,
             record.compile_s,
+            record.cache_hits,
+            "; its backward compiles during the first backward" if self.config.backend != "eager" else "",
         )
-        if record.recompile_reason:
-            log.warning("graph %d is a recompile: %s", graph_id, record.recompile_reason)
+        if reasons:
+            log.warning(
+                "rank %d: graph %d is a recompile; failed guards:\n  %s",
+                self._rank,
+                graph_id,
+                "\n  ".join(reasons),
+            )
         if self._telemetry is not None:
             self._telemetry.compiled(
                 graph_id=graph_id,
@@ -452,7 +502,7 @@ class DistCompiledModule(nn.Module):
                 segment_s=segment_s,
                 plan_table=f"planned by {planned_by}\n{plan.describe()}",
                 breaks=[record.graph_break] if record.graph_break else [],
-                recompile_reason=record.recompile_reason,
+                recompile_reasons=reasons,
                 cache_hits=record.cache_hits,
             )
             compiled = instrument(compiled, self._telemetry, graph_id)
@@ -489,29 +539,26 @@ class DistCompiledModule(nn.Module):
         s = self._settings
         if s.broadcast_buffers and self._require_forward_param_sync and self._buffers_list:
             with torch.no_grad():
-                dist._broadcast_coalesced(
-                    s.group or dist.group.WORLD, self._buffers_list, _BUFFER_BROADCAST_BYTES, self._ranks[0]
-                )
+                broadcast_coalesced(self._buffers_list, src=self._ranks[0], group=s.group)
         sync = torch.is_grad_enabled() and self._sync
         self._require_forward_param_sync = sync
         if sync:
             self._reducer.begin_forward()
         if s.device is not None:
-            args, kwargs = torch.utils._pytree.tree_map_only(
+            args, kwargs = compat.tree_map_only(
                 torch.Tensor, lambda t: t.to(s.device, non_blocking=True), (args, kwargs)
             )
+        self._guard_failures.clear()  # stale: failures seen while another model compiled
         try:
             return self._compiled(*args, **kwargs)
         except Exception as exc:
             # Peers blocked in an all-reduce with this rank can then name it.
             mark_failed(default_store(), self._store_prefix, self._rank, f"{type(exc).__name__}: {exc}")
             # Our own errors raised while planning inside the backend arrive wrapped by
-            # TorchDynamo; show the user the distcompile error itself.
-            inner = getattr(exc, "inner_exception", None)
-            if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed) and isinstance(
-                inner, DistCompileError
-            ):
-                raise inner.with_traceback(None) from None
+            # TorchDynamo; show the user the distcompile error itself (with its traceback).
+            inner = compat.backend_failure_cause(exc)
+            if isinstance(inner, DistCompileError):
+                raise inner from inner.__cause__
             raise
 
     def _describe_peers(self) -> str:
@@ -608,9 +655,8 @@ def wrap(model: nn.Module, config: Config | None = None, **options: object) -> D
         costs = measure_costs(group=settings.group, device=device, remember_dir=_costs_dir())
         settings = dataclasses.replace(settings, costs=costs)
     if not isinstance(model, DDP):
-        group = dist.group.WORLD
-        dist._verify_params_across_processes(group, params)
+        _check_same_shapes(inner, cfg)
         states = [p.detach() for p in params] + [b.detach() for b in inner.buffers()]
         if states:
-            dist._broadcast_coalesced(group, states, _BUFFER_BROADCAST_BYTES, 0)
+            broadcast_coalesced(states, src=0, group=None)
     return DistCompiledModule(inner, config=cfg, settings=settings, source=model)
