@@ -110,28 +110,63 @@ def save_checkpoint(
     return path
 
 
+def _match_prefix(state: dict, model: nn.Module) -> dict:
+    # Checkpoints of a wrapped (or DDP) model carry "module." on every key; a plain model
+    # for inference has none, and the other way round. Adapt when that is the only difference.
+    wanted = set(model.state_dict())
+    if set(state) == wanted:
+        return state
+    stripped = {k.removeprefix("module."): v for k, v in state.items()}
+    if all(k.startswith("module.") for k in state) and set(stripped) == wanted:
+        return stripped
+    prefixed = {f"module.{k}": v for k, v in state.items()}
+    if set(prefixed) == wanted:
+        return prefixed
+    return state  # let load_state_dict name the missing and unexpected keys
+
+
 def load_checkpoint(
     path_or_directory: str,
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    strict: bool = False,
 ) -> dict | None:
     """Restore the newest checkpoint (or the given file) into ``model``/``optimizer`` and this rank's RNG.
 
-    Returns ``{"step": ..., "extra": ...}``, or ``None`` when the directory holds no
-    checkpoint (a fresh start).
+    ``model`` may be the wrapped model it was saved from or the plain model (keys carry
+    DDP's ``module.`` prefix in the file; it is removed or added to match ``model``), e.g.
+    to load trained weights for inference in one process.
+
+    Returns ``{"step": ..., "extra": ..., "path": ...}``, or ``None`` when there is no
+    checkpoint yet (a fresh start; logged, with a warning if the directory does not exist).
+    ``strict=True`` raises ``FileNotFoundError`` instead of starting fresh.
 
     Example:
         >>> # state = load_checkpoint("ckpt", model=model, optimizer=opt)
         >>> # start = state["step"] + 1 if state else 0
+        >>> # load_checkpoint("ckpt", model=MyModel())  # plain model, for inference
     """
     path = path_or_directory
     if os.path.isdir(path_or_directory) or not os.path.exists(path_or_directory):
         path = latest_checkpoint(path_or_directory)
         if path is None:
+            exists = os.path.isdir(path_or_directory)
+            what = "holds no checkpoint (step-*.pt)" if exists else "does not exist"
+            if strict:
+                raise FileNotFoundError(
+                    f"checkpoint directory {path_or_directory!r} {what}; pass the directory save_checkpoint "
+                    "wrote to, or strict=False to start fresh."
+                )
+            log.log(
+                logging.INFO if exists else logging.WARNING,
+                "checkpoint directory %r %s: starting fresh",
+                path_or_directory,
+                what,
+            )
             return None
     payload = torch.load(path, map_location="cpu", weights_only=False)
-    model.load_state_dict(payload["model"])
+    model.load_state_dict(_match_prefix(payload["model"], model))
     if optimizer is not None and payload["optimizer"] is not None:
         optimizer.load_state_dict(payload["optimizer"])
     rank = dist.get_rank() if dist.is_initialized() else 0

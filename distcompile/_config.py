@@ -68,8 +68,9 @@ class Config:
             measures and writes nothing.
         trace_every: Write each rank's Chrome trace every this many steps (0: never);
             a trace costs under a millisecond. Scalars are written every step.
-        figure_every: Add a Gantt picture of the step to TensorBoard every this many
-            steps (0: never). Drawing one takes about 0.1 s, hence the sparse default.
+        figure_every: Add a Gantt picture of a step to TensorBoard: the first step after
+            warm-up (the first that compiled nothing), then every this many steps (0: never).
+            Drawing one takes about 0.1 s, hence the sparse default.
         telemetry_all_ranks: Give every rank its own TensorBoard run (``logdir/rank{R}``)
             instead of rank 0 alone.
     """

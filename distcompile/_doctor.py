@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import itertools
 import json
+import logging
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -16,13 +18,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from . import _torch_compat as compat
 from ._agreement import default_store
 from ._capture import own_forward_code
 from ._config import BACKENDS
 from ._errors import UnsupportedModelError
+from ._log import enable_progress
 
 __all__ = ["doctor", "DoctorReport", "StageResult"]
 
+log = logging.getLogger(__name__)
 _doctor_ids = itertools.count()
 
 
@@ -67,6 +72,7 @@ class DoctorReport:
         ranks_agree: Whether every stage left identical gradients on every rank.
         rtol: Relative tolerance used.
         atol: Absolute tolerance used.
+        notes: What the comparison took into account (e.g. random numbers in the model).
     """
 
     stages: list[str]
@@ -75,6 +81,7 @@ class DoctorReport:
     ranks_agree: bool = True
     rtol: float = 1e-3
     atol: float = 1e-5
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -95,6 +102,7 @@ class DoctorReport:
                 elif r.summary or r.error:
                     detail = r.summary or r.error.strip().splitlines()[-1]
                 lines.append(f"  {stage:<9} rank {r.rank}: {r.status:<8} {detail}")
+        lines.extend(f"note: {n}" for n in self.notes)
         lines.append("ranks agree: " + ("yes" if self.ranks_agree else "NO: gradients differ between ranks"))
         if self.first_bad_stage:
             lines.append(f"first failing stage: {self.first_bad_stage}")
@@ -106,10 +114,26 @@ class DoctorReport:
         return "\n".join(lines)
 
 
+def _rng_state() -> tuple:
+    cuda = (
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    )
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
 def _step(
-    model: nn.Module, inputs: Sequence[object], loss_fn: Callable
+    model: nn.Module, args: Sequence[object], kwargs: dict, loss_fn: Callable, rng: tuple
 ) -> tuple[float, dict[str, torch.Tensor]]:
-    loss = loss_fn(model(*inputs))
+    # Every stage draws the same random numbers as the reference (dropout masks).
+    _set_rng_state(rng)
+    loss = loss_fn(model(*args, **kwargs))
     loss.backward()
     inner = model.module
     grads = {n: p.grad.detach().clone() for n, p in inner.named_parameters() if p.grad is not None}
@@ -141,26 +165,33 @@ def _exchange(
 
 def doctor(
     model: nn.Module,
-    example_inputs: Sequence[object],
+    *example_inputs: object,
     loss_fn: Callable[[object], torch.Tensor],
-    *,
     stages: Sequence[str] = BACKENDS,
     rtol: float = 1e-3,
     atol: float = 1e-5,
     timeout_s: float = 120.0,
+    **example_kwargs: object,
 ) -> DoctorReport:
     """Run one training step per backend on every rank and compare with eager DDP.
 
-    Call it on every rank (after ``init_process_group``). Each stage trains a fresh copy
-    of the model with ``distcompile.wrap(..., backend=stage)`` on ``example_inputs``
-    (each rank its own) and compares loss and synchronized gradients with eager DDP
-    (``allclose`` with ``rtol``/``atol``). The ladder stops at the first stage that
-    crashes, diverges, or leaves ranks with different gradients. Ranks exchange
-    outcomes through the store with ``timeout_s``, and communicate through a process
-    group with that timeout, so a dead rank is reported instead of hanging the others.
+    Call it on every rank (after ``init_process_group``), with the model's inputs as
+    positional and keyword arguments, as for ``explain``. Each stage trains a fresh copy
+    of the model with ``distcompile.wrap(..., backend=stage)`` on those inputs (each rank
+    its own) and compares loss and synchronized gradients with eager DDP (``allclose``
+    with ``rtol``/``atol``). The reference and every stage start from the same random
+    number state (CPU and CUDA), so dropout draws the same masks. Inductor generates its
+    own random numbers, which differ from eager's by design; when the model draws random
+    numbers, the inductor stage compiles with ``torch._inductor.config.fallback_random``
+    (eager's generator) so the comparison says whether the compiled math is right, and
+    the report says so. The ladder stops at the first stage that crashes, diverges, or
+    leaves ranks with different gradients. Ranks exchange outcomes through the store
+    with ``timeout_s``, and communicate through a process group with that timeout, so a
+    dead rank is reported instead of hanging the others.
 
     Example:
-        >>> # report = distcompile.doctor(DDP(model), (x,), lambda out: out.square().mean())
+        >>> # report = distcompile.doctor(DDP(model), x, loss_fn=lambda out: out.square().mean())
+        >>> # report = distcompile.doctor(DDP(hf_model), **batch, loss_fn=lambda out: out.loss)
         >>> # print(report)            # on rank 0, say
     """
     if not dist.is_initialized():
@@ -175,23 +206,44 @@ def doctor(
     group = dist.new_group(timeout=timedelta(seconds=timeout_s))
     store = default_store()
     key = f"distcompile/doctor{next(_doctor_ids)}"
+    enable_progress(rank=rank, first_rank=rank == 0)
     pristine = copy.deepcopy(inner)
+    rng = _rng_state()
 
+    log.info("doctor: eager DDP reference step")
     ref_loss, ref_grads = _step(
-        DDP(copy.deepcopy(pristine), process_group=group, bucket_cap_mb=cap_mb), example_inputs, loss_fn
+        DDP(copy.deepcopy(pristine), process_group=group, bucket_cap_mb=cap_mb),
+        example_inputs,
+        example_kwargs,
+        loss_fn,
+        rng,
+    )
+    after = _rng_state()  # did the step draw random numbers?
+    random = not torch.equal(after[0], rng[0]) or (
+        rng[1] is not None and any(not torch.equal(a, b) for a, b in zip(after[1], rng[1]))
     )
     from ._wrap import wrap
 
     report = DoctorReport(stages=[], rtol=rtol, atol=atol)
+    if random:
+        report.notes.append(
+            "the model draws random numbers (dropout?): every stage starts from the reference's RNG "
+            "state, and the inductor stage compiles with torch._inductor.config.fallback_random=True, "
+            "because Inductor's own random numbers differ from eager's by design (training with it is "
+            "fine; its losses just differ from eager DDP's by the different dropout masks)"
+        )
     for stage in stages:
         report.stages.append(stage)
+        log.info("doctor: stage %s (compiling)", stage)
         try:
             # A private forward code object: the ladder's compiles must not pile cache
             # entries (and guard checks) onto the code of the user's own model.
             copy_ = own_forward_code(copy.deepcopy(pristine), f"doctor_{stage}")
             ddp = DDP(copy_, process_group=group, bucket_cap_mb=cap_mb)
-            wrapped = wrap(ddp, backend=stage, desync_timeout_s=timeout_s)
-            loss, grads = _step(wrapped, example_inputs, loss_fn)
+            same_random = random and stage == "inductor"
+            with compat.inductor_fallback_random() if same_random else contextlib.nullcontext():
+                wrapped = wrap(ddp, backend=stage, desync_timeout_s=timeout_s)
+                loss, grads = _step(wrapped, example_inputs, example_kwargs, loss_fn, rng)
             wrapped.close()
             diffs = {n: float((grads[n] - g).abs().max()) for n, g in ref_grads.items() if n in grads}
             worst = max(diffs, key=diffs.get, default=None)

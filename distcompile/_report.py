@@ -23,12 +23,24 @@ def find_runs(logdir: str) -> list[str]:
     return sorted(r for r in runs if _load(r).get("step/time_ms"))
 
 
-def _load(run: str) -> dict[str, list[tuple[int, float]]]:
+def _accumulator(run: str):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(run, size_guidance={"scalars": 0, "images": 1, "tensors": 0})
     acc.Reload()
+    return acc
+
+
+def _load(run: str) -> dict[str, list[tuple[int, float]]]:
+    acc = _accumulator(run)
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _texts(run: str, tag: str) -> list[str]:
+    acc = _accumulator(run)
+    if f"{tag}/text_summary" not in acc.Tags()["tensors"]:
+        return []
+    return [b.decode() for e in acc.Tensors(f"{tag}/text_summary") for b in e.tensor_proto.string_val]
 
 
 def _median(values: list[float]) -> float:
@@ -71,6 +83,8 @@ def summarize(run: str) -> str:
         f"communication: median in flight {_median(values('step/comm_ms')):.1f} ms, exposed "
         f"{_median(values('step/exposed_comm_ms')):.1f} ms, overlap {_median(values('step/overlap_pct')):.1f}%",
     ]
+    for text in _texts(run, "compile/recompile_reasons"):
+        lines.append("recompile: " + text.replace("\n", "\n  "))
     if slowest:
         lines.append(
             f"slowest bucket: {slowest.split('/')[1].rsplit('_', 1)[0].replace('_', ' ')} "

@@ -90,6 +90,8 @@ class Telemetry:
             # A deep queue: with the default (10 events) add_scalar blocks on the writer thread.
             self.writer = SummaryWriter(log_dir=run_dir, max_queue=1000, flush_secs=10)
         self._compile_spans: list[Span] = []
+        self._compiled_this_step = False
+        self._first_warm_step: int | None = None
         self.recompiles = 0
         self.graph_breaks: list[str] = []
         self.last_overlap_pct = 0.0
@@ -111,6 +113,7 @@ class Telemetry:
         self._compile_spans.append(
             Span("compile", f"graph {graph_id}", start, end, args={"segments": len(segment_s)})
         )
+        self._compiled_this_step = True
         self.graph_breaks.extend(breaks)
         if recompile_reasons:
             self.recompiles += 1
@@ -143,6 +146,18 @@ class Telemetry:
 
     def begin_step(self) -> None:
         self.timeline.begin(time.perf_counter())
+        self._compiled_this_step = False
+
+    def _wants_figure(self, step: int) -> bool:
+        # A step that compiled (step 0: capture and the lazy backward compile) would show
+        # compilation, not training: the first picture is of the first step after warm-up,
+        # then every figure_every steps from there. Compile time has its own scalars and
+        # the trace's compile track.
+        if not self.figure_every or self._compiled_this_step:
+            return False
+        if self._first_warm_step is None:
+            self._first_warm_step = step
+        return (step - self._first_warm_step) % self.figure_every == 0
 
     def end_step(self, stats: StepStats) -> None:
         origin = self.timeline.start
@@ -184,7 +199,7 @@ class Telemetry:
             with open(tmp, "w") as f:
                 json.dump(chrome_trace(all_spans, rank=self.rank, step=stats.step, origin=first), f)
             os.replace(tmp, path)  # readers never see a half-written trace
-        if w is not None and self.figure_every and stats.step % self.figure_every == 0:
+        if w is not None and self._wants_figure(stats.step):
             fig = gantt_figure(
                 spans,
                 title=f"rank {self.rank}, step {stats.step}: "

@@ -44,6 +44,7 @@ __all__ = [
     "graph_break_parts",
     "inductor_cache_dir",
     "inductor_compiler",
+    "inductor_fallback_random",
     "inductor_keeps_output_strides",
     "is_compiled_module",
     "lookup_backend",
@@ -185,6 +186,20 @@ def inductor_compiler(*, mode: str | None, dynamic: bool | None, cudagraphs: boo
     # The mode presets may switch CUDA graphs on (reduce-overhead); our option decides.
     patches["triton.cudagraphs"] = cudagraphs
     return functools.partial(compile_fx, config_patches=patches)
+
+
+def inductor_fallback_random() -> contextlib.AbstractContextManager:
+    """A context in which Inductor compiles random ops with eager's generator (same draws).
+
+    Checked: 2.11, 2.13, 2.15 (``torch._inductor.config.fallback_random``).
+
+    Example:
+        >>> with inductor_fallback_random():
+        ...     pass
+    """
+    from torch._inductor import config
+
+    return config.patch(fallback_random=True)
 
 
 def inductor_keeps_output_strides() -> bool:

@@ -24,6 +24,7 @@ from ._comm import BucketReducer, StepStats, broadcast_coalesced
 from ._config import Config
 from ._costmodel import CostModel, measure_costs, node_flops
 from ._errors import CompileError, ConfigError, DistCompileError, RecompileError, UnsupportedModelError
+from ._log import enable_progress
 from ._planning import DEFAULT_FIRST_BUCKET_BYTES, GraphCosts, Plan, plan_graph
 from ._segments import inner_compiler, instrument, split_and_compile
 from ._telemetry import Telemetry
@@ -487,10 +488,13 @@ class DistCompiledModule(nn.Module):
             "; its backward compiles during the first backward" if self.config.backend != "eager" else "",
         )
         if reasons:
-            log.warning(
-                "rank %d: graph %d is a recompile; failed guards:\n  %s",
-                self._rank,
+            # Every rank recompiles together (the agreement check above makes sure), so the
+            # first rank speaks for all of them.
+            log.log(
+                logging.WARNING if self._rank == self._ranks[0] else logging.DEBUG,
+                "graph %d is a recompile (%d failed guard(s), in TorchDynamo's order):\n  %s",
                 graph_id,
+                len(reasons),
                 "\n  ".join(reasons),
             )
         if self._telemetry is not None:
@@ -549,6 +553,12 @@ class DistCompiledModule(nn.Module):
                 torch.Tensor, lambda t: t.to(s.device, non_blocking=True), (args, kwargs)
             )
         self._guard_failures.clear()  # stale: failures seen while another model compiled
+        if not self.graphs and self._reducer.steps == 0:
+            log.info(
+                "capturing %s with TorchDynamo: the first step captures, plans and compiles (backend %s)",
+                type(self.module).__name__,
+                self.config.backend,
+            )
         try:
             return self._compiled(*args, **kwargs)
         except Exception as exc:
@@ -641,6 +651,8 @@ def wrap(model: nn.Module, config: Config | None = None, **options: object) -> D
     if options:
         cfg = cfg.replace(**options)
     inner, settings = _settings(model, cfg)
+    group_ranks = dist.get_process_group_ranks(settings.group or dist.group.WORLD)
+    enable_progress(rank=dist.get_rank(), first_rank=dist.get_rank() == group_ranks[0])
     params = [p for p in inner.parameters()]
     if cfg.cudagraphs and not (params and all(p.is_cuda for p in params)):
         device = params[0].device if params else "no parameters"

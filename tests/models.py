@@ -345,3 +345,22 @@ class CrashesWhenCompiled(_TwoLayer):
 
 
 BUILDERS.update({"diverges": DivergesWhenCompiled, "crashes": CrashesWhenCompiled})
+
+
+class DropoutKeywords(nn.Module):
+    """Dropout in train mode, called with keyword inputs as a Hugging Face model is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.drop = nn.Dropout(0.3)
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.drop(self.emb(input_ids))
+        if attention_mask is not None:
+            h = h * attention_mask.unsqueeze(-1)
+        return self.head(F.gelu(h)).mean()
+
+
+BUILDERS["dropout_kwargs"] = DropoutKeywords

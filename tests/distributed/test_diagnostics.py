@@ -60,3 +60,34 @@ def test_doctor_reports_a_crash_with_the_exception() -> None:
 
 def test_explain_on_one_rank_mid_training_does_not_recompile() -> None:
     assert run_ranks(workers.explain_mid_training, 2, timeout=120) == [{"graphs": 1}, {"graphs": 1}]
+
+
+def test_doctor_with_keyword_inputs_and_dropout_passes_every_stage() -> None:
+    for res in run_ranks(workers.doctor_keywords_dropout, 2, timeout=600):
+        assert res["first_bad"] is None, res["text"]
+        assert "all stages match eager DDP" in res["text"]
+        assert any("fallback_random" in n for n in res["notes"]), res["text"]
+
+
+def test_recompile_after_eval_keeps_every_failed_guard() -> None:
+    for res in run_ranks(workers.recompile_reasons_after_eval, 2):
+        reasons = res["reasons"]
+        assert reasons[0] == [], "the first compile is not a recompile"
+        last = reasons[-1]
+        assert len(last) >= 2, last
+        assert any("grad_mode" in r for r in last), last
+        assert any("size mismatch" in r or "expected 8" in r for r in last), last
+
+
+def test_second_model_of_one_class_is_not_a_recompile() -> None:
+    for res in run_ranks(workers.two_models_one_class, 2):
+        assert res["first"] == [[]] and res["second"] == [[]], res
+
+
+def test_progress_lines_on_the_first_rank_warnings_prefixed() -> None:
+    out0, out1 = run_ranks(workers.progress_lines, 2)
+    assert "[distcompile rank 0] capturing Sequential with TorchDynamo" in out0, out0
+    assert "[distcompile rank 0] graph 0:" in out0 and "compiled in" in out0, out0
+    assert "[distcompile rank 0] graph 1 is a recompile" in out0, out0
+    assert "size mismatch" in out0 or "expected 4" in out0, out0
+    assert "[distcompile rank 1]" not in out1, out1  # progress and the shared warning: rank 0 only

@@ -188,7 +188,7 @@ def telemetry_run(rank: int, world: int, logdir: str, all_ranks: bool) -> dict:
         backend="aot_eager",
         logdir=logdir,
         trace_every=2,
-        figure_every=3,
+        figure_every=2,
         telemetry_all_ranks=all_ranks,
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -257,7 +257,7 @@ def doctor_run(rank: int, world: int, model_name: str, stages: tuple) -> dict:
     model = DDP(BUILDERS[model_name]())
     x, y = batch(model_name, rank, 0)
     report = distcompile.doctor(
-        model, (x,), lambda out: loss_fn(model_name, out, y), stages=stages, timeout_s=60
+        model, x, loss_fn=lambda out: loss_fn(model_name, out, y), stages=stages, timeout_s=60
     )
     return {
         "text": str(report),
@@ -367,3 +367,62 @@ def warm_restart(rank: int, world: int, model_name: str) -> dict:
         loss_fn(model_name, model(x), y).backward()
         seen.append(dict(counters["aot_autograd"]))
     return {"pieces": sum(len(g.plan.segments) for g in model.graphs), "first": seen[0], "second": seen[1]}
+
+
+def doctor_keywords_dropout(rank: int, world: int) -> dict:
+    """doctor(model, **batch) on a model with dropout: every stage must pass."""
+    torch.manual_seed(0)
+    model = DDP(BUILDERS["dropout_kwargs"]())
+    gen = torch.Generator().manual_seed(rank)
+    batch_ = {"input_ids": torch.randint(0, 50, (4, 8), generator=gen), "attention_mask": torch.ones(4, 8)}
+    report = distcompile.doctor(model, **batch_, loss_fn=lambda out: out, timeout_s=120)
+    return {"text": str(report), "first_bad": report.first_bad_stage, "notes": report.notes}
+
+
+def recompile_reasons_after_eval(rank: int, world: int) -> dict:
+    """Train at batch 8, an eval forward, then train at batch 4: every failed guard is kept."""
+    torch.manual_seed(0)
+    model = distcompile.wrap(DDP(BUILDERS["mlp_seq"]()), backend="eager")
+    model(torch.randn(8, 64)).sum().backward()
+    with torch.no_grad():
+        model(torch.randn(8, 64))
+    model(torch.randn(4, 64)).sum().backward()
+    model.close()
+    return {"reasons": [list(g.recompile_reasons) for g in model.graphs]}
+
+
+def two_models_one_class(rank: int, world: int) -> dict:
+    """A second wrapped model of the same class compiles afresh: not a recompile, even under 'error'."""
+    torch.manual_seed(0)
+    first = distcompile.wrap(DDP(BUILDERS["mlp_seq"]()), backend="eager", recompile="error")
+    for _ in range(2):
+        first(torch.randn(4, 64)).sum().backward()
+    second = distcompile.wrap(DDP(BUILDERS["mlp_seq"]().double()), backend="eager", recompile="error")
+    for _ in range(2):
+        second(torch.randn(4, 64, dtype=torch.float64)).sum().backward()
+    first(torch.randn(4, 64)).sum().backward()  # the first model's cache still serves it
+    return {
+        "first": [list(g.recompile_reasons) for g in first.graphs],
+        "second": [list(g.recompile_reasons) for g in second.graphs],
+    }
+
+
+def progress_lines(rank: int, world: int) -> str:
+    """With logging unconfigured, wrap prints rank-prefixed progress on the first rank."""
+    import contextlib
+    import io
+    import logging
+
+    for h in list(logging.getLogger().handlers):
+        logging.getLogger().removeHandler(h)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        import distcompile._log as dc_log
+
+        # The handler writes to sys.stderr as it was when attached: attach inside the redirect.
+        logging.getLogger("distcompile").handlers.clear()
+        dc_log.enable_progress(rank=rank, first_rank=rank == 0)
+        model = distcompile.wrap(DDP(BUILDERS["mlp_seq"](), bucket_cap_mb=0.01), backend="eager")
+        model(torch.randn(4, 64)).sum().backward()
+        model(torch.randn(6, 64)).sum().backward()  # a recompile: a warning on rank 0 only
+    return err.getvalue()

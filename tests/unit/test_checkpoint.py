@@ -69,3 +69,35 @@ def test_sigkill_mid_write_keeps_previous_checkpoint(tmp_path: Path) -> None:
     assert distcompile.latest_checkpoint(str(tmp_path)).endswith("step-00000001.pt")
     state = distcompile.load_checkpoint(str(tmp_path), model=nn.Linear(2, 2))
     assert state["step"] == 1
+
+
+class _Wrapped(nn.Module):
+    """Stands for a wrapped model's state dict layout (keys under ``module.``, as DDP's)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.module = inner
+
+
+def test_checkpoint_of_a_wrapped_model_loads_into_the_plain_model(tmp_path: Path) -> None:
+    trained = _Wrapped(nn.Linear(4, 4))
+    distcompile.save_checkpoint(str(tmp_path), model=trained, optimizer=None, step=0)
+    plain = nn.Linear(4, 4)
+    assert distcompile.load_checkpoint(str(tmp_path), model=plain)["step"] == 0
+    assert torch.equal(plain.weight, trained.module.weight)
+    # and the other way round: a plain model's checkpoint into the wrapped layout
+    distcompile.save_checkpoint(str(tmp_path / "plain"), model=nn.Linear(4, 4), optimizer=None, step=1)
+    distcompile.load_checkpoint(str(tmp_path / "plain"), model=_Wrapped(nn.Linear(4, 4)))
+
+
+def test_missing_checkpoint_directory_is_reported(tmp_path: Path, caplog) -> None:  # noqa: ANN001
+    missing = str(tmp_path / "nope")
+    with caplog.at_level("INFO", logger="distcompile"):
+        assert distcompile.load_checkpoint(missing, model=nn.Linear(4, 4)) is None
+    assert any("does not exist: starting fresh" in r.getMessage() for r in caplog.records)
+    try:
+        distcompile.load_checkpoint(missing, model=nn.Linear(4, 4), strict=True)
+    except FileNotFoundError as exc:
+        assert "nope" in str(exc) and "strict=False" in str(exc)
+    else:
+        raise AssertionError("strict=True must raise for a missing directory")
