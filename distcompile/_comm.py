@@ -27,6 +27,13 @@ Notes
       gradient for keeps its ``grad`` untouched; otherwise it gets the average, with
       zeros standing in for ranks without a gradient. This is DDP's
       ``find_unused_parameters`` behaviour, always on, for one extra element per parameter.
+    * No host synchronization in a steady-state step: each bucket's flags are a device
+      tensor made once per pattern of produced gradients; gradients go into the bucket with
+      one copy and one scale per bucket (one scale with ``gradient_as_bucket_view``); after
+      the all-reduce, the flags decide on the device (``torch.where``) for a parameter this
+      rank left without gradient. Only when such a parameter has no ``.grad`` at all are the
+      flags read back (creating ``.grad`` is a host decision). ``work.wait()`` on NCCL makes
+      the current stream wait for the all-reduce, not the host; on gloo it blocks, as it must.
     * ``gradient_as_bucket_view`` leaves ``param.grad`` as a view of the flat buffer, so
       later steps accumulate straight into the bucket and launching needs no copy.
 
@@ -122,6 +129,8 @@ class _FlatBucket:
         )
         self.ready = [False] * len(self.params)
         self.n_ready = 0
+        self.produced: tuple[bool, ...] = ()
+        self._flag_cache: dict[tuple[bool, ...], torch.Tensor] = {}
         self.work: dist.Work | None = None
         self.launched_at = 0.0
 
@@ -134,26 +143,51 @@ class _FlatBucket:
         self.n_ready = 0
         self.work = None
 
-    def launch(self, group: dist.ProcessGroup | None, scale: float, timeline: StepTimeline | None) -> None:
-        flags = []
-        for i, p in enumerate(self.params):
-            g = p.grad
-            if not self.ready[i] or g is None:
-                self.wire_views[i].zero_()
-                flags.append(0.0)
-                continue
-            if g.is_sparse:
-                raise UnsupportedModelError(
-                    f"parameter {self.names[i]!r} has a sparse gradient; distcompile reduces dense "
-                    "buckets only. Use nn.Embedding(sparse=False) or plain DDP for this model."
-                )
-            flags.append(scale)
+    def _flags(self, produced: tuple[bool, ...], scale: float) -> torch.Tensor:
+        # One device tensor per pattern of locally produced gradients (nearly always a
+        # single pattern: all of them), made once: a steady-state step copies nothing from
+        # the host, so on CUDA the CPU never waits for the GPU here.
+        flags = self._flag_cache.get(produced)
+        if flags is None:
+            host = torch.tensor([scale if r else 0.0 for r in produced], dtype=self.wire.dtype)
+            flags = self._flag_cache[produced] = host.to(self.wire.device)
+        return flags
+
+    def _fill(self, produced: tuple[bool, ...], scale: float) -> None:
+        """Write ``scale * grad`` of every produced gradient into the wire buffer (zeros elsewhere)."""
+        dense = self.wire[: self.numel]
+        grads = [p.grad for p in self.params]
+        if all(produced):
+            in_bucket = [g.data_ptr() == v.data_ptr() for g, v in zip(grads, self.views)]
+            if all(in_bucket):
+                # Gradients live in the bucket (gradient_as_bucket_view): one scale (and cast).
+                torch.mul(self.buffer[: self.numel], scale, out=dense)
+                return
+            if not any(in_bucket):
+                # One copy (and cast) of all gradients into the bucket, then one scale.
+                torch.cat([g.reshape(-1) for g in grads], out=dense)
+                dense.mul_(scale)
+                return
+        for i, g in enumerate(grads):  # mixed: per parameter
             dst = self.wire_views[i]
-            if g.data_ptr() == dst.data_ptr():
+            if not produced[i]:
+                dst.zero_()
+            elif g.data_ptr() == dst.data_ptr():
                 dst.mul_(scale)
             else:
                 torch.mul(g, scale, out=dst)
-        self.wire[self.numel :].copy_(torch.tensor(flags, dtype=self.wire.dtype))
+
+    def launch(self, group: dist.ProcessGroup | None, scale: float, timeline: StepTimeline | None) -> None:
+        produced = tuple(r and p.grad is not None for r, p in zip(self.ready, self.params))
+        for name, p, r in zip(self.names, self.params, produced):
+            if r and p.grad.is_sparse:
+                raise UnsupportedModelError(
+                    f"parameter {name!r} has a sparse gradient; distcompile reduces dense "
+                    "buckets only. Use nn.Embedding(sparse=False) or plain DDP for this model."
+                )
+        self.produced = produced
+        self._fill(produced, scale)
+        self.wire[self.numel :].copy_(self._flags(produced, scale))
         self.launched_at = time.perf_counter()
         self.work = dist.all_reduce(self.wire, group=group, async_op=True)
         if timeline is not None:
@@ -181,17 +215,29 @@ class _FlatBucket:
         return [n for n, v in zip(self.names, self.wire_views) if not bool(torch.isfinite(v).all())]
 
     def finish(self) -> None:
-        assert self.work is not None, "finish() before launch()"
+        if self.work is None:
+            raise RuntimeError(f"bucket {self.index}: finish() before launch()")
         # Drop the Work at once rather than at the next step: the last step's Work would
         # otherwise live until interpreter teardown, holding this buffer and (with
         # telemetry) a Python callback.
         work, self.work = self.work, None
-        work.wait()
-        used = self.wire[self.numel :].tolist()
+        work.wait()  # on CUDA/NCCL: the current stream waits for the all-reduce, not the host
+        used = self.wire[self.numel :]  # > 0 where some rank produced a gradient
+        used_host: list[float] | None = None
         for i, p in enumerate(self.params):
-            if used[i] <= 0:
-                continue  # no rank produced a gradient: leave .grad alone, as DDP does
             src = self.wire_views[i]
+            if not self.produced[i]:
+                # This rank produced no gradient: the average (zeros standing in for this
+                # rank) if another rank did, else .grad stays as it was, as in DDP.
+                if p.grad is None:
+                    # Whether to create a .grad is a host decision: read the flags back
+                    # (only in steps where this rank left a parameter without gradient).
+                    if used_host is None:
+                        used_host = used.tolist()
+                    if used_host[i] <= 0:
+                        continue
+                else:
+                    src = torch.where(used[i] > 0, src.to(p.grad.dtype), p.grad)
             if self.grad_as_view:
                 if src is not self.views[i]:
                     self.views[i].copy_(src)
