@@ -21,7 +21,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train the example GPT with eager DDP and distcompile on local ranks")
-    demo.add_argument("--nproc", type=int, default=2, help="local ranks to launch (default 2)")
+    demo.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local ranks to launch (default: one per GPU, NCCL; 2 CPU ranks on gloo without a GPU)",
+    )
     demo.add_argument("--steps", type=int, default=20, help="training steps per variant (default 20)")
     demo.add_argument(
         "--backend", choices=BACKENDS, default="inductor", help="segment compiler (default inductor)"

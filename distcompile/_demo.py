@@ -142,12 +142,21 @@ def _table(res: dict) -> tuple[str, bool]:
     return "\n".join(lines), ok
 
 
-def run_demo(*, nproc: int, steps: int, backend: str, logdir: str) -> int:
+def run_demo(*, nproc: int | None, steps: int, backend: str, logdir: str) -> int:
     """Launch ``nproc`` local ranks with torchrun, print the comparison; return an exit code.
+
+    ``nproc=None``: one rank per GPU (NCCL; one GPU is a world of one), else 2 CPU ranks (gloo).
 
     Example:
         >>> # run_demo(nproc=2, steps=20, backend="inductor", logdir="runs/demo")
     """
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if nproc is None:
+        nproc = gpus or 2
+    where = f"{nproc} GPU(s), NCCL" if 0 < nproc <= gpus else f"CPU, gloo ({gpus} GPU(s) found)"
+    print(f"distcompile demo: running on {where}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "demo.json")
         cmd = [

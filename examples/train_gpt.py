@@ -56,7 +56,15 @@ def main() -> None:
     args = p.parse_args()
 
     # torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; NCCL needs one GPU per local rank.
-    use_cuda = torch.cuda.is_available()
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    use_cuda = gpus >= local_world
+    if gpus and not use_cuda and local_rank == 0:
+        print(
+            f"{local_world} local ranks but {gpus} GPU(s): training on CPU with gloo. Launch "
+            f"--nproc-per-node {gpus} to use the GPUs (one rank per GPU).",
+            flush=True,
+        )
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if use_cuda else "gloo")
