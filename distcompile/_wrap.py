@@ -384,7 +384,7 @@ class DistCompiledModule(nn.Module):
             raise CompileError(
                 f"rank {self._rank}: {doing[0]} of graph {graph_id} ({len(gm.graph.nodes)} FX nodes, "
                 f"backend={self.config.backend!r}) failed inside torch {torch.__version__}: "
-                f"{type(exc).__name__}: {' '.join(str(exc).split())[:800]}. "
+                f"{type(exc).__name__}: {' '.join(str(exc).split())[:800].rstrip('.')}. "
                 f"{_ladder_hint(self.config.backend)} The torch traceback is chained below; "
                 "distcompile.explain(model, *inputs) shows the graphs and segments."
             ) from exc

@@ -73,3 +73,34 @@ def test_ddp_with_python_reducer_rejected(single_rank_group) -> None:
 def test_explain_auto_buckets_needs_wrap() -> None:
     with pytest.raises(ConfigError, match="measures the link on the process group"):
         distcompile.explain(nn.Linear(2, 2), torch.zeros(1, 2), bucket_cap_mb="auto")
+
+
+@torch.library.custom_op("distcompile_test::no_autograd", mutates_args=())
+def _no_autograd(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_no_autograd.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class _NoAutogradOp(nn.Module):
+    """TorchDynamo captures it fine; AOTAutograd fails on the op's missing backward formula."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_no_autograd(self.a(x)))
+
+
+def test_failure_inside_torch_compile_names_graph_segment_version_and_ladder(single_rank_group) -> None:
+    model = distcompile.wrap(_NoAutogradOp(), backend="aot_eager")
+    with pytest.raises(distcompile.CompileError) as info:
+        model(torch.randn(2, 4))
+    text = str(info.value)
+    assert "compiling segment 0 of 1 of graph 0" in text and f"torch {torch.__version__}" in text, text
+    assert "no autograd formula" in text and "backend='eager'" in text, text
+    assert isinstance(info.value.__cause__, RuntimeError)  # torch's own traceback stays chained
