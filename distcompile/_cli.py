@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n\n".join(summarize(r) for r in runs))
         return 0
     if args.command == "demo":
-        if args.nproc < 1 or args.steps < 2:
+        if (args.nproc is not None and args.nproc < 1) or args.steps < 2:
             parser.error("--nproc must be >= 1 and --steps >= 2")
         from ._demo import run_demo
 

@@ -150,3 +150,7 @@ def test_graph_breaks_and_recompiles_are_reported(tmp_path: Path) -> None:
     assert {"compile/recompile_reasons/text_summary", "compile/graph_breaks/text_summary"} <= set(
         acc.Tags()["tensors"]
     )
+    from distcompile._report import summarize
+
+    text = summarize(str(tmp_path))
+    assert "recompile: graph" in text and "failed guards" in text and "expected 4, actual 6" in text, text
