@@ -393,7 +393,7 @@ class DistCompiledModule(nn.Module):
         self, gm: fx.GraphModule, example_inputs: list, graph_id: int, doing: list[str]
     ) -> Callable:
         t0 = time.perf_counter()
-        reasons = tuple(r.splitlines()[0] for r in self._guard_failures if "BACKEND_MATCH" not in r)
+        reasons = tuple(r.splitlines()[0].strip() for r in self._guard_failures if "BACKEND_MATCH" not in r)
         self._guard_failures.clear()
         if reasons and self.config.recompile == "error" and self._reducer.steps > 0:
             raise RecompileError(
