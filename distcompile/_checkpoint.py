@@ -18,20 +18,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "rng_state", "set_rng_state"]
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"step-(\d{8})\.pt$")
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
+    """This process's RNG states: torch CPU, Python, and the current CUDA device once initialized."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
@@ -77,10 +79,10 @@ def save_checkpoint(
     if keep < 1:
         raise ValueError(f"keep={keep!r} must be >= 1: the newest checkpoint is never deleted.")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    rng = [_rng_state()]
+    rng = [rng_state()]
     if dist.is_initialized():
         rng = [None] * dist.get_world_size()
-        dist.all_gather_object(rng, _rng_state())
+        dist.all_gather_object(rng, rng_state())
     if rank != 0:
         return None
     os.makedirs(directory, exist_ok=True)
@@ -172,7 +174,7 @@ def load_checkpoint(
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if payload["world_size"] == world:
-        _set_rng_state(payload["rng"][rank])
+        set_rng_state(payload["rng"][rank])
     else:
         log.warning(
             "checkpoint %s was written by %d ranks, now %d: RNG states not restored",

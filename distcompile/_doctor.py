@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from . import _torch_compat as compat
 from ._agreement import default_store
 from ._capture import own_forward_code
+from ._checkpoint import rng_state, set_rng_state
 from ._config import BACKENDS
 from ._errors import UnsupportedModelError
 from ._log import enable_progress
@@ -114,25 +115,11 @@ class DoctorReport:
         return "\n".join(lines)
 
 
-def _rng_state() -> tuple:
-    cuda = (
-        torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    )
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: tuple) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-
-
 def _step(
-    model: nn.Module, args: Sequence[object], kwargs: dict, loss_fn: Callable, rng: tuple
+    model: nn.Module, args: Sequence[object], kwargs: dict, loss_fn: Callable, rng: dict
 ) -> tuple[float, dict[str, torch.Tensor]]:
     # Every stage draws the same random numbers as the reference (dropout masks).
-    _set_rng_state(rng)
+    set_rng_state(rng)
     loss = loss_fn(model(*args, **kwargs))
     loss.backward()
     inner = model.module
@@ -208,7 +195,7 @@ def doctor(
     key = f"distcompile/doctor{next(_doctor_ids)}"
     enable_progress(rank=rank, first_rank=rank == 0)
     pristine = copy.deepcopy(inner)
-    rng = _rng_state()
+    rng = rng_state()
 
     log.info("doctor: eager DDP reference step")
     ref_loss, ref_grads = _step(
@@ -218,10 +205,8 @@ def doctor(
         loss_fn,
         rng,
     )
-    after = _rng_state()  # did the step draw random numbers?
-    random = not torch.equal(after[0], rng[0]) or (
-        rng[1] is not None and any(not torch.equal(a, b) for a, b in zip(after[1], rng[1]))
-    )
+    after = rng_state()  # did the step draw random numbers?
+    random = any(not torch.equal(after[k], rng[k]) for k in ("torch", "cuda") if k in rng)
     from ._wrap import wrap
 
     report = DoctorReport(stages=[], rtol=rtol, atol=atol)
