@@ -5,12 +5,12 @@
     python benchmarks/overlap.py --link 200mbit --variants ddp,ddp_fp16,dc_inductor,dc_inductor_bf16
 
 Same as `distcompile bench`. Prints a table and writes JSON and a dated markdown report
-to benchmarks/results/. See distcompile/_bench.py for what is measured and how.
+to benchmarks/results/. See distcompile/tools/bench/ for what is measured and how.
 """
 
 import sys
 
-from distcompile._bench import main
+from distcompile.tools.bench.worker import main
 
 if __name__ == "__main__":
     sys.exit(main())

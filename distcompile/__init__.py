@@ -5,9 +5,9 @@ Example:
     >>> # model = distcompile.wrap(DDP(MyModel()), backend="inductor")
 """
 
-from ._checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ._config import Config
-from ._doctor import DoctorReport, StageResult, doctor
+from .diagnostics.doctor import DoctorReport, StageResult, doctor
 from ._errors import (
     CommunicationError,
     CompileError,
@@ -19,10 +19,10 @@ from ._errors import (
     UnsupportedModelError,
     UnsupportedTorchError,
 )
-from ._explain import ExplainedGraph, Explanation, explain
-from ._planning import Bucket, NodeInfo, Plan, plan_graph
+from .diagnostics.explain import ExplainedGraph, Explanation, explain
+from .planning.plan import Bucket, NodeInfo, Plan, plan_graph
 from ._torch_compat import warn_if_untested as _warn_if_untested
-from ._wrap import DistCompiledModule, GraphRecord, wrap
+from .runtime.module import DistCompiledModule, GraphRecord, wrap
 
 __all__ = [
     "Bucket",

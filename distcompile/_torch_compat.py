@@ -8,7 +8,7 @@ moves one of them breaks one function, which either falls back or raises
 distcompile was tested on, instead of a ``KeyError`` from deep inside the compiler.
 
 Each function's docstring says which torch releases it was checked on ("checked:").
-``tests/unit/test_torch_compat.py`` greps the package: no other module may touch a
+``tests/test_torch_compat.py`` greps the package: no other module may touch a
 private torch name. To support a new torch release: run ``.ci/torch-matrix X.Y.Z``, fix
 what fails here, extend ``TESTED_RANGE`` and the table in ``docs/torch-versions.md``.
 """

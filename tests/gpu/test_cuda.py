@@ -1,7 +1,7 @@
 """The CUDA path: parity with eager DDP, and no host synchronization in a steady-state step.
 
 Skipped without CUDA (CI has none). On a GPU machine: ``python -m pytest tests/gpu``.
-Tolerances as in tests/distributed/test_parity.py (aot_eager 1e-4/1e-5, inductor 1e-3/1e-4).
+Tolerances as in tests.runtime.test_parity.py (aot_eager 1e-4/1e-5, inductor 1e-3/1e-4).
 """
 
 from __future__ import annotations

@@ -1,0 +1,126 @@
+"""Read a TorchDynamo graph into the planner's terms.
+
+TorchDynamo hands the backend an FX graph whose trainable parameters arrive either as
+placeholders (the default since ``inline_inbuilt_nn_modules``) whose example input is
+the real ``nn.Parameter``, as ``get_attr`` nodes, or inside ``call_module`` nodes. Both are mapped back to the
+parameter's qualified name in the wrapped module, so names match on every rank.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from ..planning.plan import NodeInfo
+
+__all__ = ["CapturedGraph", "read_graph", "own_forward_code"]
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedGraph:
+    """A forward graph reduced to what planning needs.
+
+    Attributes:
+        body: The partitionable nodes (not placeholders, ``get_attr`` or output), in order.
+        nodes: One :class:`NodeInfo` per body node.
+        params: Trainable parameter name -> parameter, for the parameters the graph receives.
+    """
+
+    body: tuple[fx.Node, ...]
+    nodes: tuple[NodeInfo, ...]
+    params: Mapping[str, torch.nn.Parameter]
+
+
+def _get_attr(gm: fx.GraphModule, qualname: str) -> object:
+    obj: object = gm
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def read_graph(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[object],
+    names_by_id: Mapping[int, str],
+) -> CapturedGraph:
+    """Map ``gm``'s parameter inputs to names and list each node's parameter reads.
+
+    Args:
+        gm: The graph TorchDynamo passed to the backend.
+        example_inputs: The backend's example inputs, one per placeholder.
+        names_by_id: ``id(param) -> qualified name`` for the wrapped module's trainable
+            parameters.
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> gm = fx.symbolic_trace(lin)
+        >>> cg = read_graph(gm, [torch.zeros(1, 2)], {id(p): n for n, p in lin.named_parameters()})
+        >>> [n.params for n in cg.nodes]
+        [('weight', 'bias')]
+    """
+    param_of: dict[fx.Node, str] = {}
+    params: dict[str, torch.nn.Parameter] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        name = names_by_id.get(id(value))
+        if name is not None and isinstance(value, torch.Tensor) and value.requires_grad:
+            param_of[node] = name
+            params[name] = value  # type: ignore[assignment]
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = _get_attr(gm, str(node.target))
+            name = names_by_id.get(id(value))
+            if name is not None and isinstance(value, torch.Tensor) and value.requires_grad:
+                param_of[node] = name
+                params[name] = value  # type: ignore[assignment]
+
+    body = tuple(n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output"))
+    index = {n: i for i, n in enumerate(body)}
+    nodes = []
+    for node in body:
+        reads: list[str] = []
+        for arg in node.all_input_nodes:
+            name = param_of.get(arg)
+            if name is not None and name not in reads:
+                reads.append(name)
+        if node.op == "call_module":  # a submodule kept whole: it reads its own parameters
+            for p in gm.get_submodule(str(node.target)).parameters():
+                name = names_by_id.get(id(p))
+                if name is not None and p.requires_grad and name not in reads:
+                    reads.append(name)
+                    params[name] = p
+        last_user = max(
+            (len(body) if u.op == "output" else index.get(u, -1) for u in node.users),
+            default=-1,
+        )
+        nodes.append(NodeInfo(node.name, tuple(reads), last_user))
+    return CapturedGraph(body=body, nodes=tuple(nodes), params=params)
+
+
+def own_forward_code(module: torch.nn.Module, tag: str) -> torch.nn.Module:
+    """Give ``module`` a private copy of its class's ``forward`` code object; return it.
+
+    TorchDynamo caches compiled code per code object. Several models of one class that are
+    compiled with different backends (benchmark variants, ``explain``'s throw-away capture)
+    would otherwise share one cache: every call evaluates every model's guards, and
+    clearing one model's entries clears the others'. The module's class becomes a
+    subclass whose ``forward`` runs the same code under a new code object.
+
+    Example:
+        >>> lin = own_forward_code(torch.nn.Linear(2, 2), "x")
+        >>> type(lin).forward.__code__ is torch.nn.Linear.forward.__code__
+        False
+    """
+    cls = type(module)
+    fwd = cls.forward
+    if not isinstance(fwd, types.FunctionType):
+        return module
+    code = fwd.__code__.replace(co_name=f"{fwd.__code__.co_name}_{tag}")
+    copy = types.FunctionType(code, fwd.__globals__, code.co_name, fwd.__defaults__, fwd.__closure__)
+    copy.__kwdefaults__ = fwd.__kwdefaults__
+    module.__class__ = type(cls.__name__, (cls,), {"forward": copy, "__module__": cls.__module__})
+    return module

@@ -1,0 +1,215 @@
+"""Split a captured graph at segment boundaries and compile each piece.
+
+Each piece is compiled on its own by the inner backend, so under AOTAutograd it becomes
+its own autograd node and its backward finishes before the previous piece's starts:
+that is what lets a bucket's all-reduce begin early.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import unittest.mock
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import fx
+from torch.fx.passes.split_module import split_module
+
+from .. import _torch_compat as compat
+from ..capture.graph import CapturedGraph
+from ..planning.plan import Plan
+from ..telemetry.timeline import Span
+
+if TYPE_CHECKING:
+    from ..telemetry.sink import Telemetry
+
+__all__ = ["inner_compiler", "split_and_compile", "instrument"]
+
+log = logging.getLogger(__name__)
+
+CompilerFn = Callable[[fx.GraphModule, list], Callable]
+
+
+def inner_compiler(backend: str, *, mode: str | None, cudagraphs: bool, dynamic: bool | None) -> CompilerFn:
+    """Return the TorchDynamo compiler function that compiles one segment.
+
+    Example:
+        >>> fn = inner_compiler("aot_eager", mode=None, cudagraphs=False, dynamic=None)
+        >>> callable(fn)
+        True
+    """
+    if backend != "inductor":
+        return compat.lookup_backend(backend)
+    return compat.inductor_compiler(mode=mode, dynamic=dynamic, cudagraphs=cudagraphs)
+
+
+def _propagate_metadata(gm: fx.GraphModule, split_gm: fx.GraphModule) -> None:
+    # AOTAutograd and Inductor read Dynamo's graph metadata and each placeholder's
+    # source (for parameter detection and guards) from the module they compile.
+    for name in compat.piece_names(split_gm):
+        compat.copy_dynamo_metadata(gm, getattr(split_gm, name))
+
+
+def _may_change_layout(piece: fx.GraphModule) -> bool:
+    # Under Inductor every output of a piece keeps its eager strides unless layout
+    # optimization is on, which Inductor only turns on for graphs with convolutions
+    # (GraphLowering.decide_layout_opt). Matched by name so that every convolution
+    # spelling (torch.conv2d, F.conv_transpose1d, aten.convolution, ...) counts.
+    for node in piece.graph.nodes:
+        target = piece.get_submodule(node.target) if node.op == "call_module" else node.target
+        name = getattr(target, "__name__", type(target).__name__) if node.op != "call_method" else target
+        if node.op != "placeholder" and node.op != "output" and "conv" in str(name).lower():
+            return True
+    return not compat.inductor_keeps_output_strides()
+
+
+@functools.cache
+def _piece_compiler_class() -> type:
+    class PieceCompiler(compat.piece_compiler_base()):
+        """PyTorch's DDPOptimizer interpreter, with AOTAutograd's cache left usable.
+
+        DDPOptimizer compiles every piece with ``fakify_first_call`` so that the strides
+        Inductor chose for a piece's outputs reach the next piece's compile; AOTAutograd
+        refuses to cache such graphs, so a warm restart re-ran AOTAutograd for every piece
+        (measured: 4-7 s of a warm first step). A piece without convolutions keeps eager
+        strides on its outputs under Inductor, so for those (when ``cacheable``) the next
+        piece's inputs come from running the uncompiled piece on fake tensors, and the
+        compile is cacheable.
+        """
+
+        cacheable = False
+
+        def run_node(self, n: fx.Node) -> object:
+            if not self.cacheable or n.op != "call_module":
+                return super().run_node(n)
+            real_mod = self.fetch_attr(str(n.target))
+            if _may_change_layout(real_mod):
+                return super().run_node(n)
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            fake_args = [compat.to_fake(a, self.fake_mode) for a in args]
+            fake_mod = compat.fake_module(real_mod, self.fake_mode)
+            before = compat.aot_autograd_counts()
+            compiled = self.compile_submod(real_mod, fake_args, kwargs)
+            after = compat.aot_autograd_counts()
+            if before[0] != after[0] and before[1] == after[1]:
+                # A piece loaded from AOTAutograd's cache brings its compiled backward
+                # along and takes no metadata entry; a compiled one does.
+                compat.record_piece_metadata()
+            self.module.delete_submodule(n.target)
+            n.target = "compiled_" + n.target
+            self.module.add_submodule(n.target, compiled)
+            with self.fake_mode, unittest.mock.patch.object(self.fake_mode, "allow_non_fake_inputs", True):
+                out = fake_mod(*fake_args, **kwargs)
+            if log.isEnabledFor(logging.DEBUG):
+                strides = [
+                    (tuple(t.shape), t.stride())
+                    for t in compat.tree_leaves(out)
+                    if isinstance(t, torch.Tensor)
+                ]
+                log.debug("%s outputs (shape, stride): %s", n.target, strides)
+            return out
+
+    return PieceCompiler
+
+
+def split_and_compile(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[object],
+    *,
+    captured: CapturedGraph,
+    plan: Plan,
+    compiler: CompilerFn,
+    cacheable: bool = False,
+) -> Callable:
+    """Compile ``gm`` as ``len(plan.segments)`` separately compiled pieces.
+
+    Returns a callable with the calling convention TorchDynamo expects from a backend.
+    ``cacheable`` says ``compiler`` is Inductor, whose pieces keep eager output strides
+    unless they contain a convolution; those pieces are compiled so that AOTAutograd's
+    cache can serve a warm restart.
+
+    Example:
+        >>> # used by distcompile's TorchDynamo backend; see distcompile.wrap
+    """
+    if len(plan.segments) == 1:
+        return compiler(gm, list(example_inputs))
+    segment = {node: plan.segment_of(i) for i, node in enumerate(captured.body)}
+    split_gm = split_module(gm, None, lambda node: segment.get(node, 0), keep_original_order=True)
+    _propagate_metadata(gm, split_gm)
+    fake_mode = compat.fake_mode_of(list(example_inputs))
+    # Compiling the pieces is the same job PyTorch's DDPOptimizer does after choosing
+    # its own splits: run the split module under fake tensors, compile each piece with
+    # the inputs it sees, and keep AOTAutograd's per-piece metadata in the tracing
+    # context (needed by Inductor's lazily compiled backward). We reuse that
+    # interpreter rather than re-implement those internals; the splits are ours, and
+    # so is the cacheable path for pieces whose output strides cannot change.
+    with compat.saved_tensors_hooks_disabled():
+        interpreter = _piece_compiler_class()(split_gm, compiler, fake_mode)
+        interpreter.cacheable = cacheable
+        interpreter.run(*example_inputs)
+    split_gm.recompile()
+    log.debug("split graph:\n%s", split_gm.graph)
+    return split_gm
+
+
+def _timed_call(fn: Callable, args: tuple, telemetry: Telemetry, label: str) -> object:
+    if not telemetry.recording:
+        return fn(*args)
+    t0 = time.perf_counter()
+    out = fn(*args)
+    timeline = telemetry.timeline
+    timeline.add(Span("compute", f"{label} fwd", t0, time.perf_counter()))
+    node = next(
+        (t.grad_fn for t in compat.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn),
+        None,
+    )
+    if node is not None:
+        # The piece's backward is one autograd node (under AOTAutograd); its pre- and
+        # post-hooks bracket the segment's backward without touching any tensor.
+        started: list[float] = []
+        node.register_prehook(lambda grad_outputs: started.append(time.perf_counter()))
+        node.register_hook(
+            lambda grad_inputs, grad_outputs: timeline.add(
+                Span(
+                    "compute",
+                    f"{label} bwd",
+                    started[0] if started else time.perf_counter(),
+                    time.perf_counter(),
+                )
+            )
+        )
+    return out
+
+
+class _TimedPiece(torch.nn.Module):
+    def __init__(self, piece: torch.nn.Module, telemetry: Telemetry, label: str) -> None:
+        super().__init__()
+        self.piece = piece
+        self.label = label
+        object.__setattr__(self, "telemetry", telemetry)
+
+    def forward(self, *args: object) -> object:
+        return _timed_call(self.piece, args, self.telemetry, self.label)
+
+
+def instrument(compiled: Callable, telemetry: Telemetry, graph_id: int) -> Callable:
+    """Record each piece's forward and backward span on ``telemetry``'s timeline.
+
+    Example:
+        >>> # used by distcompile.wrap when logdir= is given
+    """
+    # split_and_compile renamed each piece submod_N -> compiled_submod_N.
+    pieces = [n for n, _ in compiled.named_children()] if isinstance(compiled, fx.GraphModule) else []
+    pieces = [n for n in pieces if n.startswith("compiled_submod_")]
+    if pieces:
+        for k, name in enumerate(sorted(pieces, key=lambda n: int(n.rsplit("_", 1)[1]))):
+            setattr(compiled, name, _TimedPiece(getattr(compiled, name), telemetry, f"g{graph_id}.s{k}"))
+        return compiled
+    return functools.partial(_timed_call_args, compiled, telemetry, f"g{graph_id}.s0")
+
+
+def _timed_call_args(fn: Callable, telemetry: Telemetry, label: str, *args: object) -> object:
+    return _timed_call(fn, args, telemetry, label)

@@ -1,0 +1,223 @@
+"""Telemetry sinks: TensorBoard scalars, text and a Gantt picture; a Chrome trace per rank.
+
+Everything here runs only when ``wrap(..., logdir=...)`` is given; without it the engine
+installs no timers and no hooks for telemetry.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+from .. import _torch_compat as compat
+from ..runtime.reducer import StepStats
+from .timeline import Span, StepTimeline, chrome_trace, overlap_pct, union
+
+__all__ = ["Telemetry", "gantt_figure"]
+
+log = logging.getLogger(__name__)
+
+
+def gantt_figure(spans: Sequence[Span], *, title: str, origin: float):
+    """A matplotlib figure of one step: compute spans and each bucket's all-reduce.
+
+    Example:
+        >>> fig = gantt_figure([Span("compute", "g0.s0 fwd", 0.0, 0.01)], title="step 0", origin=0.0)
+        >>> fig.axes[0].get_title()
+        'step 0'
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training nodes
+    import matplotlib.pyplot as plt
+
+    spans = [s for s in spans if s.track in ("compute", "comm")]
+    rows = sorted({(s.track, s.lane) for s in spans}, key=lambda r: (r[0] != "compute", r[1]))
+    span_ms = max([(s.end - origin) * 1e3 for s in spans] + [1e-3])
+    fig, ax = plt.subplots(figsize=(10, 1.0 + 0.4 * max(1, len(rows))))
+    colors = {"compute": "#4C72B0", "comm": "#DD8452"}
+    for y, (track, lane) in enumerate(rows):
+        for s in spans:
+            if (s.track, s.lane) != (track, lane):
+                continue
+            fwd = s.name.endswith("fwd")
+            width, left = (s.end - s.start) * 1e3, (s.start - origin) * 1e3
+            ax.barh(
+                y,
+                width,
+                left=left,
+                height=0.6,
+                color=colors.get(track, "gray"),
+                alpha=0.55 if fwd else 0.95,
+                edgecolor="black",
+                linewidth=0.3,
+            )
+            if track == "compute" and width >= 0.04 * span_ms:
+                ax.text(left + width / 2, y, s.name.split(".", 1)[-1], ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([t if t == "compute" else f"all-reduce b{lane}" for t, lane in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the step's first forward")
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+class Telemetry:
+    """Per-rank measurement of steps and compiles, written to ``logdir``.
+
+    Attributes:
+        timeline: Spans of the open step.
+        last_overlap_pct: Overlap of the last finished step.
+    """
+
+    def __init__(
+        self, *, run_dir: str | None, trace_dir: str, rank: int, trace_every: int, figure_every: int
+    ) -> None:
+        self.rank = rank
+        self.trace_every = trace_every
+        self.figure_every = figure_every
+        self.timeline = StepTimeline()
+        self.trace_dir = trace_dir
+        os.makedirs(self.trace_dir, exist_ok=True)
+        self.writer = None
+        if run_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # A deep queue: with the default (10 events) add_scalar blocks on the writer thread.
+            self.writer = SummaryWriter(log_dir=run_dir, max_queue=1000, flush_secs=10)
+        self._compile_spans: list[Span] = []
+        self._compiled_this_step = False
+        self._first_warm_step: int | None = None
+        self.recompiles = 0
+        self.graph_breaks: list[str] = []
+        self.last_overlap_pct = 0.0
+
+    # -- compile side ------------------------------------------------------------------
+    def compiled(
+        self,
+        *,
+        graph_id: int,
+        step: int,
+        start: float,
+        end: float,
+        segment_s: Sequence[float],
+        plan_table: str,
+        breaks: Sequence[str],
+        recompile_reasons: Sequence[str],
+        cache_hits: int,
+    ) -> None:
+        self._compile_spans.append(
+            Span("compile", f"graph {graph_id}", start, end, args={"segments": len(segment_s)})
+        )
+        self._compiled_this_step = True
+        self.graph_breaks.extend(breaks)
+        if recompile_reasons:
+            self.recompiles += 1
+        w = self.writer
+        if w is None:
+            return
+        w.add_scalar(f"compile/graph_{graph_id}_s", end - start, step)
+        for k, s in enumerate(segment_s):
+            w.add_scalar(f"compile/graph_{graph_id}_segment_{k}_s", s, step)
+        w.add_scalar("compile/recompiles", self.recompiles, step)
+        w.add_scalar("compile/graph_breaks", len(self.graph_breaks), step)
+        w.add_scalar("compile/cache_hits", cache_hits, step)
+        rows = "\n".join(f"| {line} |" for line in plan_table.splitlines())
+        w.add_text(
+            f"plan/graph_{graph_id}",
+            "| bucket | segment | size | parameters |\n|---|---|---|---|\n" + rows,
+            step,
+        )
+        if breaks:
+            w.add_text("compile/graph_breaks", "\n".join(f"- {b}" for b in self.graph_breaks), step)
+        if recompile_reasons:
+            guards = "\n".join(f"- `{r}`" for r in recompile_reasons)
+            w.add_text("compile/recompile_reasons", f"graph {graph_id}, failed guards:\n{guards}", step)
+        w.flush()
+
+    # -- step side -----------------------------------------------------------------------
+    @property
+    def recording(self) -> bool:
+        return self.timeline.open
+
+    def begin_step(self) -> None:
+        self.timeline.begin(time.perf_counter())
+        self._compiled_this_step = False
+
+    def _wants_figure(self, step: int) -> bool:
+        # A step that compiled (step 0: capture and the lazy backward compile) would show
+        # compilation, not training: the first picture is of the first step after warm-up,
+        # then every figure_every steps from there. Compile time has its own scalars and
+        # the trace's compile track.
+        if not self.figure_every or self._compiled_this_step:
+            return False
+        if self._first_warm_step is None:
+            self._first_warm_step = step
+        return (step - self._first_warm_step) % self.figure_every == 0
+
+    def end_step(self, stats: StepStats) -> None:
+        origin = self.timeline.start
+        spans = self.timeline.finish()
+        spans.append(
+            Span(
+                "step",
+                f"step {stats.step}",
+                origin,
+                time.perf_counter(),
+                args={"overlap_pct": 0.0, "exposed_comm_ms": stats.exposed_comm_ms},
+            )
+        )
+        comm = [(s.start, s.end) for s in spans if s.track == "comm"]
+        compute = [(s.start, s.end) for s in spans if s.track == "compute"]
+        stats.overlap_pct = overlap_pct(comm, compute)
+        stats.comm_ms = sum(e - s for s, e in union(comm)) * 1e3
+        self.last_overlap_pct = stats.overlap_pct
+        spans[-1].args["overlap_pct"] = round(stats.overlap_pct, 2)
+        w = self.writer
+        if w is not None:
+            values = {
+                "step/time_ms": stats.fwd_bwd_ms,
+                "step/exposed_comm_ms": stats.exposed_comm_ms,
+                "step/overlap_pct": stats.overlap_pct,
+                "step/comm_ms": stats.comm_ms,
+                "comm/megabytes": stats.bytes / 2**20,
+            }
+            for s in spans:
+                if s.track == "comm":
+                    values[f"comm/bucket_{s.lane}_ms"] = (s.end - s.start) * 1e3
+            self._scalars(values, stats.step)
+        if self.trace_every and stats.step % self.trace_every == 0:
+            all_spans = self._compile_spans + spans
+            self._compile_spans = []
+            first = min([origin, *(s.start for s in all_spans)])
+            path = os.path.join(self.trace_dir, f"trace_rank{self.rank}_step{stats.step}.json")
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(chrome_trace(all_spans, rank=self.rank, step=stats.step, origin=first), f)
+            os.replace(tmp, path)  # readers never see a half-written trace
+        if w is not None and self._wants_figure(stats.step):
+            fig = gantt_figure(
+                spans,
+                title=f"rank {self.rank}, step {stats.step}: "
+                f"overlap {stats.overlap_pct:.0f}%, exposed comm {stats.exposed_comm_ms:.1f} ms",
+                origin=origin,
+            )
+            w.add_figure("timeline/step", fig, stats.step, close=True)
+
+    def _scalars(self, values: dict[str, float], step: int) -> None:
+        # One event holding every scalar of the step: a tenth of the cost of one
+        # add_scalar call per tag, and read back by TensorBoard exactly the same way.
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()])
+        compat.write_summary(self.writer, summary, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+            self.writer = None

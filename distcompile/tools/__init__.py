@@ -1,0 +1,5 @@
+"""Tools around the library: the ``distcompile`` command line, the demo, the benchmark.
+
+They use the library as a user does (the public ``distcompile`` API and
+``distcompile.models``). Nothing in the core imports ``tools``.
+"""

@@ -1,0 +1,93 @@
+"""The ``distcompile`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .._config import BACKENDS
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``distcompile`` console script.
+
+    Example:
+        >>> # $ distcompile demo            # 2 local ranks, eager DDP vs distcompile
+    """
+    parser = argparse.ArgumentParser(
+        prog="distcompile", description="Compiled data-parallel training with overlapped all-reduce."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train the example GPT with eager DDP and distcompile on local ranks")
+    demo.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local ranks to launch (default: one per GPU, NCCL; 2 CPU ranks on gloo without a GPU)",
+    )
+    demo.add_argument("--steps", type=int, default=20, help="training steps per variant (default 20)")
+    demo.add_argument(
+        "--backend", choices=BACKENDS, default="inductor", help="segment compiler (default inductor)"
+    )
+    demo.add_argument("--logdir", default="runs/demo", help="TensorBoard directory (default runs/demo)")
+    exp = sub.add_parser("explain", help="show graphs, graph breaks, segments and buckets of the example GPT")
+    exp.add_argument("--n-layer", type=int, default=4)
+    exp.add_argument("--n-embd", type=int, default=128)
+    exp.add_argument("--bucket-cap-mb", type=float, default=None, help="bucket cap (default: DDP's 25 MiB)")
+    exp.add_argument("--first-bucket-cap-mb", type=float, default=None)
+    report = sub.add_parser("report", help="summarize the telemetry a run wrote under LOGDIR")
+    report.add_argument("logdir", help="the logdir given to distcompile.wrap (or distcompile demo)")
+    sub.add_parser(
+        "bench",
+        help="the overlap benchmark (all arguments go to it; see distcompile bench -h)",
+        add_help=False,
+    )
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["bench"]:
+        from .bench.worker import main as bench_main
+
+        return bench_main(argv[1:])
+    args = parser.parse_args(argv)
+    if args.command == "explain":
+        import torch
+
+        from ..diagnostics.explain import explain
+        from ..models import GPT, GPTConfig
+
+        cfg = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd)
+        idx = torch.zeros(2, cfg.block_size, dtype=torch.long)
+        print(f"example GPT: {cfg}")
+        print(
+            explain(
+                GPT(cfg), idx, bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb
+            )
+        )
+        return 0
+    if args.command == "report":
+        from ..telemetry.report import find_runs, summarize
+
+        runs = find_runs(args.logdir)
+        if not runs:
+            print(
+                f"distcompile report: no distcompile telemetry under {args.logdir!r}. Pass the "
+                "logdir given to distcompile.wrap(..., logdir=...).",
+                file=sys.stderr,
+            )
+            return 1
+        print("\n\n".join(summarize(r) for r in runs))
+        return 0
+    if args.command == "demo":
+        if (args.nproc is not None and args.nproc < 1) or args.steps < 2:
+            parser.error("--nproc must be >= 1 and --steps >= 2")
+        from .demo import run_demo
+
+        return run_demo(nproc=args.nproc, steps=args.steps, backend=args.backend, logdir=args.logdir)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

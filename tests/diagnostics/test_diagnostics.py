@@ -1,0 +1,93 @@
+"""explain (one process) and doctor (every rank)."""
+
+from __future__ import annotations
+
+import torch
+
+import distcompile
+from tests import workers
+from tests.harness import run_ranks
+from tests.models import BUILDERS, CompilerDisable, GraphBreak, gpt
+
+
+def test_explain_graph_break_without_process_group() -> None:
+    exp = distcompile.explain(GraphBreak(), torch.randn(4, 64), bucket_cap_mb=0.01)
+    assert len(exp.graphs) == 2 and len(exp.graph_breaks) == 1
+    assert "item()" in exp.graph_breaks[0] and "models.py" in exp.graph_breaks[0]  # reason and user code line
+    assert exp.shared == {"shared.weight": 2, "shared.bias": 2}
+    assert set(exp.graphs[1].plan.foreign) == {"shared.weight", "shared.bias"}
+    text = str(exp)
+    assert "ends at a graph break" in text and "advice:" in text
+
+
+def test_explain_eager_only_parameters_and_tied_embedding() -> None:
+    exp = distcompile.explain(CompilerDisable(), torch.randn(4, 64))
+    assert exp.not_in_graphs == ["eager.lin.weight", "eager.lin.bias"]
+    assert any("trailing bucket" in a for a in exp.advice)
+    exp = distcompile.explain(gpt(), torch.zeros(2, 16, dtype=torch.long), bucket_cap_mb=0.1)
+    assert exp.shared == {"wte.weight": 2}
+    assert exp.graphs[0].plan.buckets[-1].params[-1] == "wte.weight"  # first use: the last bucket
+
+
+def test_explain_leaves_the_model_untouched() -> None:
+    model = BUILDERS["mlp_seq"]()
+    before = [p.clone() for p in model.parameters()]
+    distcompile.explain(model, torch.randn(4, 64))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_doctor_all_stages_pass_on_graph_break_model() -> None:
+    results = run_ranks(workers.doctor_run, 2, "graph_break", ("eager", "aot_eager", "inductor"), timeout=600)
+    for res in results:
+        assert res["first_bad"] is None, res["text"]
+        assert res["agree"] and res["status"]["inductor"] == ["ok", "ok"], res["text"]
+
+
+def test_doctor_names_first_diverging_stage() -> None:
+    for res in run_ranks(workers.doctor_run, 2, "diverges", ("eager", "aot_eager")):
+        assert res["first_bad"] == "eager" and res["status"] == {"eager": ["diverged", "diverged"]}, res[
+            "text"
+        ]
+        assert "first failing stage: eager" in res["text"]
+
+
+def test_doctor_reports_a_crash_with_the_exception() -> None:
+    for res in run_ranks(workers.doctor_run, 2, "crashes", ("eager", "aot_eager")):
+        assert res["first_bad"] == "eager" and res["status"]["eager"] == ["crashed", "crashed"], res["text"]
+        assert "rank 0 error:" in res["text"] and "Error" in res["text"], res["text"]
+
+
+def test_explain_on_one_rank_mid_training_does_not_recompile() -> None:
+    assert run_ranks(workers.explain_mid_training, 2, timeout=120) == [{"graphs": 1}, {"graphs": 1}]
+
+
+def test_doctor_with_keyword_inputs_and_dropout_passes_every_stage() -> None:
+    for res in run_ranks(workers.doctor_keywords_dropout, 2, timeout=600):
+        assert res["first_bad"] is None, res["text"]
+        assert "all stages match eager DDP" in res["text"]
+        assert any("fallback_random" in n for n in res["notes"]), res["text"]
+
+
+def test_recompile_after_eval_keeps_every_failed_guard() -> None:
+    for res in run_ranks(workers.recompile_reasons_after_eval, 2):
+        reasons = res["reasons"]
+        assert reasons[0] == [], "the first compile is not a recompile"
+        last = reasons[-1]
+        assert len(last) >= 2, last
+        assert any("grad_mode" in r for r in last), last
+        assert any("size mismatch" in r or "expected 8" in r for r in last), last
+
+
+def test_second_model_of_one_class_is_not_a_recompile() -> None:
+    for res in run_ranks(workers.two_models_one_class, 2):
+        assert res["first"] == [[]] and res["second"] == [[]], res
+
+
+def test_progress_lines_on_the_first_rank_warnings_prefixed() -> None:
+    out0, out1 = run_ranks(workers.progress_lines, 2)
+    assert "[distcompile rank 0] capturing Sequential with TorchDynamo" in out0, out0
+    assert "[distcompile rank 0] graph 0:" in out0 and "compiled in" in out0, out0
+    assert "[distcompile rank 0] graph 1 is a recompile" in out0, out0
+    assert "size mismatch" in out0 or "expected 4" in out0, out0
+    assert "[distcompile rank 1]" not in out1, out1  # progress and the shared warning: rank 0 only

@@ -1,0 +1,69 @@
+"""Errors that need several ranks: a disagreeing or missing rank raises instead of hanging."""
+
+from __future__ import annotations
+
+from tests import workers
+from tests.harness import run_ranks
+
+
+def test_custom_comm_hook_rejected() -> None:
+    for msg in run_ranks(workers.custom_hook, 2):
+        assert "communication hook '_bf16_reference_hook'" in msg
+        assert "compression=" in msg
+
+
+def test_desync_on_different_shapes_raises_on_every_rank() -> None:
+    for rank, msg in enumerate(run_ranks(workers.desync_shapes, 2, timeout=120)):
+        assert "graph 0 differs between rank" in msg, (rank, msg)
+        assert "8" in msg and "4" in msg  # the differing batch sizes are shown
+
+
+def test_desync_missing_rank_times_out_with_a_clear_error() -> None:
+    msg = run_ranks(workers.desync_missing, 2, timeout=120)[0]
+    assert "rank(s) [1] did not compile graph 0 within 3 s" in msg
+    seconds = float(msg.split("s ", 1)[0])
+    assert seconds < 30, msg
+
+
+def test_recompile_error_after_warmup() -> None:
+    for msg in run_ranks(workers.recompile_forbidden, 2):
+        assert "recompile='error' forbids recompiles" in msg, msg
+        assert "size mismatch" in msg and "mark_dynamic" in msg, msg
+
+
+def test_mark_dynamic_passes_through() -> None:
+    assert run_ranks(workers.dynamic_no_recompile, 2) == [1, 1]
+
+
+def test_fullgraph_names_the_break() -> None:
+    for msg in run_ranks(workers.fullgraph_break, 2):
+        assert "graph_break()" in msg and "models.py" in msg, msg
+
+
+def test_peer_raising_in_forward_is_named() -> None:
+    msg = run_ranks(workers.peer_failure, 2, "raise", timeout=180)[0]
+    assert "rank 1 raised first: TorchRuntimeError" in msg and "same reduction dim" in msg, msg
+    assert float(msg.split("s ", 1)[0]) < 60, msg
+
+
+def test_killed_peer_gives_an_error_not_a_hang() -> None:
+    msg = run_ranks(workers.peer_failure, 2, "kill", timeout=180, may_die=(1,))[0]
+    assert "No other rank recorded an error" in msg and "bucket" in msg, msg
+    assert float(msg.split("s ", 1)[0]) < 60, msg
+
+
+def test_parameters_differing_across_ranks_are_detected() -> None:
+    for msg in run_ranks(workers.params_differ, 2):
+        assert "parameter values at wrap time differs" in msg and "2.0.weight" in msg, msg
+        assert "check_params=False" in msg
+
+
+def test_nonfinite_gradients_stop_every_rank() -> None:
+    for msg in run_ranks(workers.nonfinite, 2):
+        assert msg.startswith("step 1: bucket") and "NaN/Inf" in msg, msg
+        assert "0.0.weight" in msg, msg
+
+
+def test_destroyed_process_group() -> None:
+    for msg in run_ranks(workers.dead_group, 2):
+        assert "process group is no longer usable" in msg, msg

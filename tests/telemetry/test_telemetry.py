@@ -1,0 +1,156 @@
+"""Telemetry written by real ranks, read back with TensorBoard's own reader and a JSON parser."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from distcompile.tools.cli import main as cli_main
+from tests import workers
+from tests.harness import run_ranks
+
+STEP_TAGS = ["step/time_ms", "step/exposed_comm_ms", "step/overlap_pct", "step/comm_ms", "comm/megabytes"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    logdir = tmp_path_factory.mktemp("tele")
+    results = run_ranks(workers.telemetry_run, 2, str(logdir), False)
+    return logdir, results
+
+
+def _scalars(run_dir: Path) -> EventAccumulator:
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def test_tensorboard_scalars_one_per_step_and_plausible(run) -> None:
+    logdir, results = run
+    acc = _scalars(logdir)
+    tags = acc.Tags()
+    for tag in STEP_TAGS:
+        assert [e.step for e in acc.Scalars(tag)] == [0, 1, 2, 3], tag
+    buckets = results[0]["stats"][-1]["buckets"]
+    assert buckets >= 2
+    assert all(f"comm/bucket_{i}_ms" in tags["scalars"] for i in range(buckets))
+    assert "compile/graph_0_s" in tags["scalars"] and "compile/recompiles" in tags["scalars"]
+    for t, e, o in zip(
+        acc.Scalars("step/time_ms"), acc.Scalars("step/exposed_comm_ms"), acc.Scalars("step/overlap_pct")
+    ):
+        assert 0 <= o.value <= 100
+        assert 0 <= e.value <= t.value
+    assert "plan/graph_0/text_summary" in tags["tensors"]
+    # Step 0 compiles: the first picture is of step 1 (the first warm step), then every 2.
+    assert [i.step for i in acc.Images("timeline/step")] == [1, 3]
+    assert not list(logdir.glob("plugins/profile")), "must not write under the deprecated profile plugin"
+
+
+def test_chrome_traces_per_rank_with_comm_inside_the_step(run) -> None:
+    logdir, _ = run
+    files = sorted((logdir / "traces").glob("trace_rank*_step*.json"))
+    assert [f.name for f in files] == [f"trace_rank{r}_step{s}.json" for r in (0, 1) for s in (0, 2)]
+    for f in files:
+        doc = json.loads(f.read_text())
+        events = doc["traceEvents"]
+        names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+        assert {"step", "compute"} <= names and any(n.startswith("comm (bucket") for n in names), names
+        spans = [e for e in events if e["ph"] == "X"]
+        for e in spans:
+            assert {"name", "cat", "pid", "tid", "ts", "dur"} <= set(e) and e["dur"] >= 0
+        (step,) = [e for e in spans if e["cat"] == "step"]
+        comm = [e for e in spans if e["cat"] == "comm"]
+        assert comm
+        for e in comm:
+            assert step["ts"] <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1.0, (e, step)
+        assert any(e["name"].endswith("bwd") for e in spans if e["cat"] == "compute")
+    first = json.loads((logdir / "traces" / "trace_rank0_step0.json").read_text())
+    assert any(e.get("cat") == "compile" for e in first["traceEvents"])
+
+
+def test_report_prints_summary(run, capsys) -> None:
+    logdir, _ = run
+    assert cli_main(["report", str(logdir)]) == 0
+    out = capsys.readouterr().out
+    assert "compile: 1 graph(s)" in out and "overlap" in out and "slowest bucket" in out and "steps: 4" in out
+
+
+def test_every_rank_its_own_run(tmp_path: Path) -> None:
+    run_ranks(workers.telemetry_run, 2, str(tmp_path), True)
+    for r in (0, 1):
+        assert [e.step for e in _scalars(tmp_path / f"rank{r}").Scalars("step/time_ms")] == [0, 1, 2, 3]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tensorboard_server_lists_our_runs_and_tags(run) -> None:
+    logdir, _ = run
+    port = _free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tensorboard.main",
+            "--logdir",
+            str(logdir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--load_fast",
+            "false",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        tags = None
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{port}/data/plugin/scalars/tags", timeout=5
+                ) as r:
+                    tags = json.loads(r.read())
+                if tags:
+                    break
+            except OSError:
+                pass
+            time.sleep(1)
+        assert tags, "TensorBoard did not answer on 127.0.0.1"
+        assert "." in tags and "step/overlap_pct" in tags["."], tags
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/runs", timeout=5) as r:
+            assert "." in json.loads(r.read())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_graph_breaks_and_recompiles_are_reported(tmp_path: Path) -> None:
+    res = run_ranks(workers.compile_events, 2, str(tmp_path))[0]
+    assert res["breaks"], "the model calls torch._dynamo.graph_break(): a reason must be recorded"
+    assert any("size mismatch" in r and "expected 4, actual 6" in r for r in res["recompiles"]), res[
+        "recompiles"
+    ]
+    acc = _scalars(tmp_path)
+    assert acc.Scalars("compile/recompiles")[-1].value >= 1
+    assert acc.Scalars("compile/graph_breaks")[-1].value >= 1
+    assert {"compile/recompile_reasons/text_summary", "compile/graph_breaks/text_summary"} <= set(
+        acc.Tags()["tensors"]
+    )
+    from distcompile.telemetry.report import summarize
+
+    text = summarize(str(tmp_path))
+    assert "recompile: graph" in text and "failed guards" in text and "expected 4, actual 6" in text, text
