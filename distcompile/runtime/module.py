@@ -22,7 +22,9 @@ from .._agreement import check_agreement, default_store, failed_ranks, mark_fail
 from ..capture.graph import read_graph
 from .reducer import BucketReducer, StepStats, broadcast_coalesced
 from .._config import Config
-from ..planning.costs import CostModel, measure_costs, node_flops
+from ..capture.flops import node_flops
+from ..planning.costs import CostModel
+from .measure import measure_costs
 from .._errors import CompileError, ConfigError, DistCompileError, RecompileError, UnsupportedModelError
 from .._log import enable_progress
 from ..planning.plan import DEFAULT_FIRST_BUCKET_BYTES, GraphCosts, Plan, plan_graph

@@ -7,24 +7,25 @@ import json
 import pytest
 import torch
 
-from distcompile.planning.costs import CostModel, _fit_line, _remembered, _snap, measure_costs
+from distcompile.planning.costs import CostModel, fit_line, snap
+from distcompile.runtime.measure import _remembered, measure_costs
 
 CPU = torch.device("cpu")
 
 
 def test_fit_line_recovers_latency_and_bandwidth() -> None:
     sizes = (64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
-    latency, per_byte = _fit_line(sizes, [3e-4 + b / 1.25e8 for b in sizes])
+    latency, per_byte = fit_line(sizes, [3e-4 + b / 1.25e8 for b in sizes])
     assert latency == pytest.approx(3e-4) and 1 / per_byte == pytest.approx(1.25e8)
     # Noise that makes the line fall or cross below zero is clamped to something physical.
-    latency, per_byte = _fit_line(sizes, [5e-3, 1e-3, 1e-3])
+    latency, per_byte = fit_line(sizes, [5e-3, 1e-3, 1e-3])
     assert latency >= 1e-5 and per_byte > 0
 
 
 def test_snap_is_stable_within_a_few_percent() -> None:
-    assert _snap(1.0e8) == _snap(1.03e8)
-    assert _snap(1.0e8) != _snap(1.5e8)
-    assert 0.9 < _snap(1.0e8) / 1.0e8 < 1.1
+    assert snap(1.0e8) == snap(1.03e8)
+    assert snap(1.0e8) != snap(1.5e8)
+    assert 0.9 < snap(1.0e8) / 1.0e8 < 1.1
 
 
 def test_measure_costs_remembers(single_rank_group, tmp_path) -> None:

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ...planning.costs import time_allreduce
+from ...runtime.measure import time_allreduce
 from .netns import can_make_namespaces, veth_pair
 
 __all__ = ["main", "VARIANTS"]
