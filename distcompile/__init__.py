@@ -5,9 +5,7 @@ Example:
     >>> # model = distcompile.wrap(DDP(MyModel()), backend="inductor")
 """
 
-from .runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ._config import Config
-from .diagnostics.doctor import DoctorReport, StageResult, doctor
 from ._errors import (
     CommunicationError,
     CompileError,
@@ -19,10 +17,14 @@ from ._errors import (
     UnsupportedModelError,
     UnsupportedTorchError,
 )
+from ._torch_compat import warn_if_untested as _warn_if_untested
+from ._wrap import wrap
+from .compile.backend import GraphRecord
+from .diagnostics.doctor import DoctorReport, StageResult, doctor
 from .diagnostics.explain import ExplainedGraph, Explanation, explain
 from .planning.plan import Bucket, NodeInfo, Plan, plan_graph
-from ._torch_compat import warn_if_untested as _warn_if_untested
-from .runtime.module import DistCompiledModule, GraphRecord, wrap
+from .runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .runtime.module import DistCompiledModule
 
 __all__ = [
     "Bucket",

@@ -20,11 +20,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import _torch_compat as compat
 from .._agreement import default_store
+from .._config import BACKENDS
+from .._errors import ConfigError, UnsupportedModelError
+from .._log import enable_progress
+from .._wrap import wrap
 from ..capture.graph import own_forward_code
 from ..runtime.checkpoint import rng_state, set_rng_state
-from .._config import BACKENDS
-from .._errors import UnsupportedModelError
-from .._log import enable_progress
 
 __all__ = ["doctor", "DoctorReport", "StageResult"]
 
@@ -150,6 +151,25 @@ def _exchange(
     return out
 
 
+_RANDOM_NOTE = (
+    "the model draws random numbers (dropout?): every stage starts from the reference's RNG "
+    "state, and the inductor stage compiles with torch._inductor.config.fallback_random=True, "
+    "because Inductor's own random numbers differ from eager's by design (training with it is "
+    "fine; its losses just differ from eager DDP's by the different dropout masks)"
+)
+
+
+def _model_and_cap(model: nn.Module) -> tuple[nn.Module, float]:
+    if not dist.is_initialized():
+        raise ConfigError("distcompile.doctor runs on every rank: call init_process_group() first.")
+    inner = model.module if isinstance(model, DDP) else model
+    if not isinstance(inner, nn.Module):
+        raise UnsupportedModelError(
+            f"doctor expects a torch.nn.Module or DDP model, got {type(model).__name__}."
+        )
+    return inner, (model.bucket_bytes_cap / 2**20 if isinstance(model, DDP) else 25.0)
+
+
 def doctor(
     model: nn.Module,
     *example_inputs: object,
@@ -181,14 +201,7 @@ def doctor(
         >>> # report = distcompile.doctor(DDP(hf_model), **batch, loss_fn=lambda out: out.loss)
         >>> # print(report)            # on rank 0, say
     """
-    if not dist.is_initialized():
-        raise UnsupportedModelError("distcompile.doctor runs on every rank: call init_process_group() first.")
-    inner = model.module if isinstance(model, DDP) else model
-    if not isinstance(inner, nn.Module):
-        raise UnsupportedModelError(
-            f"doctor expects a torch.nn.Module or DDP model, got {type(model).__name__}."
-        )
-    cap_mb = model.bucket_bytes_cap / 2**20 if isinstance(model, DDP) else 25.0
+    inner, cap_mb = _model_and_cap(model)
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(timeout=timedelta(seconds=timeout_s))
     store = default_store()
@@ -207,52 +220,28 @@ def doctor(
     )
     after = rng_state()  # did the step draw random numbers?
     random = any(not torch.equal(after[k], rng[k]) for k in ("torch", "cuda") if k in rng)
-    from ..runtime.module import wrap
 
     report = DoctorReport(stages=[], rtol=rtol, atol=atol)
     if random:
-        report.notes.append(
-            "the model draws random numbers (dropout?): every stage starts from the reference's RNG "
-            "state, and the inductor stage compiles with torch._inductor.config.fallback_random=True, "
-            "because Inductor's own random numbers differ from eager's by design (training with it is "
-            "fine; its losses just differ from eager DDP's by the different dropout masks)"
-        )
+        report.notes.append(_RANDOM_NOTE)
+    ladder = _Ladder(
+        pristine,
+        group,
+        cap_mb,
+        example_inputs,
+        example_kwargs,
+        loss_fn,
+        rng,
+        ref_loss,
+        ref_grads,
+        random,
+        rtol,
+        atol,
+    )
     for stage in stages:
         report.stages.append(stage)
         log.info("doctor: stage %s (compiling)", stage)
-        try:
-            # A private forward code object: the ladder's compiles must not pile cache
-            # entries (and guard checks) onto the code of the user's own model.
-            copy_ = own_forward_code(copy.deepcopy(pristine), f"doctor_{stage}")
-            ddp = DDP(copy_, process_group=group, bucket_cap_mb=cap_mb)
-            same_random = random and stage == "inductor"
-            with compat.inductor_fallback_random() if same_random else contextlib.nullcontext():
-                wrapped = wrap(ddp, backend=stage, desync_timeout_s=timeout_s)
-                loss, grads = _step(wrapped, example_inputs, example_kwargs, loss_fn, rng)
-            wrapped.close()
-            diffs = {n: float((grads[n] - g).abs().max()) for n, g in ref_grads.items() if n in grads}
-            worst = max(diffs, key=diffs.get, default=None)
-            close = (
-                set(grads) == set(ref_grads)
-                and all(torch.allclose(grads[n], g, rtol=rtol, atol=atol) for n, g in ref_grads.items())
-                and abs(loss - ref_loss) <= atol + rtol * abs(ref_loss)
-            )
-            mine = StageResult(
-                stage,
-                rank,
-                "ok" if close else "diverged",
-                loss,
-                ref_loss,
-                diffs.get(worst, 0.0) if worst else 0.0,
-                worst,
-                _digest(grads),
-            )
-        except Exception as exc:  # noqa: BLE001 - the report carries it
-            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-4))
-            first_line = (str(exc).strip().splitlines() or [""])[0]
-            mine = StageResult(
-                stage, rank, "crashed", error=tb, summary=f"{type(exc).__name__}: {first_line}"
-            )
+        mine = _run_stage(ladder, stage, rank=rank, timeout_s=timeout_s)
         results = _exchange(store, f"{key}/{stage}", mine, world, timeout_s)
         report.results[stage] = results
         digests = {r.grad_digest for r in results if r.status in ("ok", "diverged")}
@@ -262,3 +251,58 @@ def doctor(
             report.first_bad_stage = stage
             break
     return report
+
+
+@dataclass
+class _Ladder:
+    """What every stage of the ladder shares: the model, its inputs, and the reference step."""
+
+    pristine: nn.Module
+    group: dist.ProcessGroup
+    cap_mb: float
+    example_inputs: tuple
+    example_kwargs: dict
+    loss_fn: Callable[[object], torch.Tensor]
+    rng: dict
+    ref_loss: float
+    ref_grads: dict[str, torch.Tensor]
+    random: bool
+    rtol: float
+    atol: float
+
+
+def _run_stage(ladder: _Ladder, stage: str, *, rank: int, timeout_s: float) -> StageResult:
+    """One training step of a fresh copy under ``wrap(backend=stage)``, compared with the reference."""
+    lad = ladder
+    try:
+        # A private forward code object: the ladder's compiles must not pile cache
+        # entries (and guard checks) onto the code of the user's own model.
+        copy_ = own_forward_code(copy.deepcopy(lad.pristine), f"doctor_{stage}")
+        ddp = DDP(copy_, process_group=lad.group, bucket_cap_mb=lad.cap_mb)
+        same_random = lad.random and stage == "inductor"
+        with compat.inductor_fallback_random() if same_random else contextlib.nullcontext():
+            wrapped = wrap(ddp, backend=stage, desync_timeout_s=timeout_s)
+            loss, grads = _step(wrapped, lad.example_inputs, lad.example_kwargs, lad.loss_fn, lad.rng)
+        wrapped.close()
+    except Exception as exc:  # noqa: BLE001 - the report carries it
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-4))
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        return StageResult(stage, rank, "crashed", error=tb, summary=f"{type(exc).__name__}: {first_line}")
+    ref = lad.ref_grads
+    diffs = {n: float((grads[n] - g).abs().max()) for n, g in ref.items() if n in grads}
+    worst = max(diffs, key=diffs.get, default=None)
+    close = (
+        set(grads) == set(ref)
+        and all(torch.allclose(grads[n], g, rtol=lad.rtol, atol=lad.atol) for n, g in ref.items())
+        and abs(loss - lad.ref_loss) <= lad.atol + lad.rtol * abs(lad.ref_loss)
+    )
+    return StageResult(
+        stage,
+        rank,
+        "ok" if close else "diverged",
+        loss,
+        lad.ref_loss,
+        diffs.get(worst, 0.0) if worst else 0.0,
+        worst,
+        _digest(grads),
+    )

@@ -9,10 +9,11 @@ import torch
 from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..capture.graph import own_forward_code, read_graph
 from .._errors import ConfigError, UnsupportedModelError
+from ..capture.breaks import graph_break_reason
+from ..capture.graph import own_forward_code, read_graph
 from ..planning.plan import Plan, _fmt_bytes, plan_graph
-from ..runtime.module import bucket_caps, graph_break_reason
+from ..runtime.ddp import bucket_caps
 
 __all__ = ["explain", "Explanation", "ExplainedGraph"]
 

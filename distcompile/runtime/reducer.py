@@ -47,206 +47,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from .. import _torch_compat as compat
-from .._errors import CommunicationError, DistCompileError, NonFiniteGradientError, UnsupportedModelError
-from ..telemetry.timeline import Span, StepTimeline
+from .._errors import CommunicationError, DistCompileError, NonFiniteGradientError
+from .bucket import FlatBucket
 
-if TYPE_CHECKING:
-    from ..telemetry.sink import Telemetry
-
-__all__ = ["BucketReducer", "StepStats", "broadcast_coalesced"]
+__all__ = ["BucketReducer", "StepObserver", "StepStats"]
 
 log = logging.getLogger(__name__)
-
-_COMPRESSED = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def broadcast_coalesced(
-    tensors: Sequence[torch.Tensor], *, src: int, group: dist.ProcessGroup | None
-) -> None:
-    """Overwrite ``tensors`` on every rank with global rank ``src``'s values, one broadcast per dtype.
-
-    What DDP does for its buffers before each forward, with public collectives: the
-    tensors of one dtype and device travel as one flat buffer.
-
-    Example:
-        >>> # broadcast_coalesced(list(model.buffers()), src=0, group=None)
-    """
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    mine = dist.get_rank() == src
-    for members in groups.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in members])
-        dist.broadcast(flat, src=src, group=group)
-        if mine:
-            continue
-        offset = 0
-        for t in members:
-            t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
-
-
-class _FlatBucket:
-    """One flat buffer of same-dtype parameters, plus one used-flag per parameter."""
-
-    def __init__(
-        self,
-        index: int,
-        params: Sequence[tuple[str, torch.nn.Parameter]],
-        *,
-        compression: str | None,
-        grad_as_view: bool,
-    ) -> None:
-        self.index = index
-        self.names = [n for n, _ in params]
-        self.params = [p for _, p in params]
-        dtype, device = self.params[0].dtype, self.params[0].device
-        self.numel = sum(p.numel() for p in self.params)
-        self.offsets = []
-        offset = 0
-        for p in self.params:
-            self.offsets.append(offset)
-            offset += p.numel()
-        total = self.numel + len(self.params)
-        self.buffer = torch.zeros(total, dtype=dtype, device=device)
-        wire = _COMPRESSED[compression]
-        self.wire = (
-            self.buffer if wire is None or wire == dtype else torch.zeros(total, dtype=wire, device=device)
-        )
-        self.grad_as_view = grad_as_view
-        self.views = [self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
-        self.wire_views = (
-            self.views
-            if self.wire is self.buffer
-            else [self.wire[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
-        )
-        self.ready = [False] * len(self.params)
-        self.n_ready = 0
-        self.produced: tuple[bool, ...] = ()
-        self._flag_cache: dict[tuple[bool, ...], torch.Tensor] = {}
-        self.work: dist.Work | None = None
-        self.launched_at = 0.0
-
-    @property
-    def nbytes(self) -> int:
-        return self.wire.numel() * self.wire.element_size()
-
-    def reset(self) -> None:
-        self.ready = [False] * len(self.params)
-        self.n_ready = 0
-        self.work = None
-
-    def _flags(self, produced: tuple[bool, ...], scale: float) -> torch.Tensor:
-        # One device tensor per pattern of locally produced gradients (nearly always a
-        # single pattern: all of them), made once: a steady-state step copies nothing from
-        # the host, so on CUDA the CPU never waits for the GPU here.
-        flags = self._flag_cache.get(produced)
-        if flags is None:
-            host = torch.tensor([scale if r else 0.0 for r in produced], dtype=self.wire.dtype)
-            flags = self._flag_cache[produced] = host.to(self.wire.device)
-        return flags
-
-    def _fill(self, produced: tuple[bool, ...], scale: float) -> None:
-        """Write ``scale * grad`` of every produced gradient into the wire buffer (zeros elsewhere)."""
-        dense = self.wire[: self.numel]
-        grads = [p.grad for p in self.params]
-        if all(produced):
-            in_bucket = [g.data_ptr() == v.data_ptr() for g, v in zip(grads, self.views)]
-            if all(in_bucket):
-                # Gradients live in the bucket (gradient_as_bucket_view): one scale (and cast).
-                torch.mul(self.buffer[: self.numel], scale, out=dense)
-                return
-            if not any(in_bucket):
-                # One copy (and cast) of all gradients into the bucket, then one scale.
-                torch.cat([g.reshape(-1) for g in grads], out=dense)
-                dense.mul_(scale)
-                return
-        for i, g in enumerate(grads):  # mixed: per parameter
-            dst = self.wire_views[i]
-            if not produced[i]:
-                dst.zero_()
-            elif g.data_ptr() == dst.data_ptr():
-                dst.mul_(scale)
-            else:
-                torch.mul(g, scale, out=dst)
-
-    def launch(self, group: dist.ProcessGroup | None, scale: float, timeline: StepTimeline | None) -> None:
-        produced = tuple(r and p.grad is not None for r, p in zip(self.ready, self.params))
-        for name, p, r in zip(self.names, self.params, produced):
-            if r and p.grad.is_sparse:
-                raise UnsupportedModelError(
-                    f"parameter {name!r} has a sparse gradient; distcompile reduces dense "
-                    "buckets only. Use nn.Embedding(sparse=False) or plain DDP for this model."
-                )
-        self.produced = produced
-        self._fill(produced, scale)
-        self.wire[self.numel :].copy_(self._flags(produced, scale))
-        self.launched_at = time.perf_counter()
-        self.work = dist.all_reduce(self.wire, group=group, async_op=True)
-        if timeline is not None:
-            start, index, nbytes = self.launched_at, self.index, self.nbytes
-
-            def done(fut: torch.futures.Future) -> None:
-                # Runs on the communication thread when the all-reduce completes.
-                timeline.add(
-                    Span(
-                        "comm",
-                        f"bucket {index}",
-                        start,
-                        time.perf_counter(),
-                        lane=index,
-                        args={"bytes": nbytes, "params": len(self.params)},
-                    )
-                )
-
-            self.work.get_future().then(done)
-
-    def nonfinite(self) -> list[str]:
-        """Names of parameters whose synchronized gradient holds NaN or Inf."""
-        if bool(torch.isfinite(self.wire[: self.numel]).all()):
-            return []
-        return [n for n, v in zip(self.names, self.wire_views) if not bool(torch.isfinite(v).all())]
-
-    def finish(self) -> None:
-        if self.work is None:
-            raise RuntimeError(f"bucket {self.index}: finish() before launch()")
-        # Drop the Work at once rather than at the next step: the last step's Work would
-        # otherwise live until interpreter teardown, holding this buffer and (with
-        # telemetry) a Python callback.
-        work, self.work = self.work, None
-        work.wait()  # on CUDA/NCCL: the current stream waits for the all-reduce, not the host
-        used = self.wire[self.numel :]  # > 0 where some rank produced a gradient
-        used_host: list[float] | None = None
-        for i, p in enumerate(self.params):
-            src = self.wire_views[i]
-            if not self.produced[i]:
-                # This rank produced no gradient: the average (zeros standing in for this
-                # rank) if another rank did, else .grad stays as it was, as in DDP.
-                if p.grad is None:
-                    # Whether to create a .grad is a host decision: read the flags back
-                    # (only in steps where this rank left a parameter without gradient).
-                    if used_host is None:
-                        used_host = used.tolist()
-                    if used_host[i] <= 0:
-                        continue
-                else:
-                    src = torch.where(used[i] > 0, src.to(p.grad.dtype), p.grad)
-            if self.grad_as_view:
-                if src is not self.views[i]:
-                    self.views[i].copy_(src)
-                if p.grad is None or p.grad.data_ptr() != self.views[i].data_ptr():
-                    p.grad = self.views[i]
-            elif p.grad is None:
-                p.grad = src.to(p.dtype, copy=True)
-            else:
-                p.grad.copy_(src)
 
 
 @dataclass
@@ -260,8 +73,8 @@ class StepStats:
         bytes: Bytes all-reduced (payload plus flags).
         exposed_comm_ms: Time ``backward()`` spent waiting for communication at its end.
         launch_ms: For each bucket, launch time after the first gradient became ready.
-        overlap_pct: Share of all-reduce time that overlapped computation (telemetry on).
-        comm_ms: Time any all-reduce was in flight (telemetry on).
+        overlap_pct: Share of all-reduce time that overlapped computation (from telemetry).
+        comm_ms: Time any all-reduce was in flight (from telemetry).
     """
 
     step: int = -1
@@ -274,10 +87,26 @@ class StepStats:
     comm_ms: float = 0.0
 
 
+class StepObserver(Protocol):
+    """What the reducer tells an observer (telemetry) about a synchronized step.
+
+    The reducer calls these on the training thread; the observer must not communicate.
+    """
+
+    def begin_step(self) -> None:
+        """A synchronized step opened (its first forward)."""
+
+    def bucket_launched(self, index: int, nbytes: int, nparams: int, work: dist.Work) -> None:
+        """Bucket ``index``'s all-reduce was started; ``work`` completes with it."""
+
+    def end_step(self, stats: StepStats) -> dict[str, float]:
+        """The step's ``backward()`` ended; returns ``StepStats`` fields the observer derived."""
+
+
 class _Step:
     def __init__(self) -> None:
         self.graphs: list[int] = []
-        self.order: list[_FlatBucket] | None = None
+        self.order: list[FlatBucket] | None = None
         self.cursor = 0
         self.forward_at = time.perf_counter()
         self.started = 0.0
@@ -299,12 +128,12 @@ class BucketReducer:
         compression: str | None,
         grad_as_view: bool,
         compress_tail_only: bool = False,
-        telemetry: Telemetry | None = None,
+        observer: StepObserver | None = None,
         detect_nonfinite: bool = False,
         describe_peers: Callable[[], str] = lambda: "",
     ) -> None:
         self.params = dict(params)
-        self.telemetry = telemetry
+        self.observer = observer
         self.detect_nonfinite = detect_nonfinite
         self.describe_peers = describe_peers
         self.steps = 0
@@ -315,7 +144,7 @@ class BucketReducer:
         self.world_size = dist.get_world_size(group)
         self._graph_buckets: dict[int, list[list[str]]] = {}
         # graphs that ran -> (buckets in launch order, id(param) -> (bucket, slot))
-        self._schedules: dict[tuple[int, ...], tuple[list[_FlatBucket], dict]] = {}
+        self._schedules: dict[tuple[int, ...], tuple[list[FlatBucket], dict]] = {}
         self._step: _Step | None = None
         self._warned_unsynced = False
         self.last_step = StepStats()
@@ -332,8 +161,8 @@ class BucketReducer:
         """Open a step (if none is open): the next backward synchronizes gradients."""
         if self._step is None:
             self._step = _Step()
-            if self.telemetry is not None:
-                self.telemetry.begin_step()
+            if self.observer is not None:
+                self.observer.begin_step()
 
     def record_graph(self, graph_id: int) -> None:
         """Note that a captured graph ran with gradients in the open step."""
@@ -353,7 +182,7 @@ class BucketReducer:
         return self._step is not None
 
     # -- backward side -------------------------------------------------------------
-    def _schedule(self, graphs: tuple[int, ...]) -> tuple[list[_FlatBucket], dict]:
+    def _schedule(self, graphs: tuple[int, ...]) -> tuple[list[FlatBucket], dict]:
         cached = self._schedules.get(graphs)
         if cached is not None:
             for b in cached[0]:
@@ -384,7 +213,7 @@ class BucketReducer:
                 by_dtype.setdefault((p.dtype, p.device), []).append((n, p))
             for members in by_dtype.values():
                 order.append(
-                    _FlatBucket(len(order), members, compression=compression, grad_as_view=self.grad_as_view)
+                    FlatBucket(len(order), members, compression=compression, grad_as_view=self.grad_as_view)
                 )
         locate = {id(p): (b, i) for b in order for i, p in enumerate(b.params)}
         self._schedules[graphs] = (order, locate)
@@ -424,14 +253,16 @@ class BucketReducer:
             if not all_remaining and bucket.n_ready < len(bucket.params):
                 return
             try:
-                bucket.launch(self.group, scale, self.telemetry.timeline if self.telemetry else None)
+                work = bucket.launch(self.group, scale)
+                if self.observer is not None:
+                    self.observer.bucket_launched(bucket.index, bucket.nbytes, len(bucket.params), work)
             except DistCompileError:
                 raise
             except Exception as exc:
                 raise self._comm_error(bucket, "launching", exc) from exc
             step.cursor += 1
 
-    def _comm_error(self, bucket: _FlatBucket, doing: str, exc: Exception) -> CommunicationError:
+    def _comm_error(self, bucket: FlatBucket, doing: str, exc: Exception) -> CommunicationError:
         return CommunicationError(
             f"rank {dist.get_rank()}: {doing} the all-reduce of bucket {bucket.index} "
             f"({bucket.nbytes} bytes, {len(bucket.params)} parameters) in step {self.steps} failed: "
@@ -462,7 +293,7 @@ class BucketReducer:
                         "to skip the check."
                     )
         t1 = time.perf_counter()
-        self.last_step = StepStats(
+        stats = StepStats(
             step=self.steps,
             fwd_bwd_ms=(t1 - step.forward_at) * 1e3,
             buckets=len(step.order),
@@ -470,9 +301,10 @@ class BucketReducer:
             exposed_comm_ms=(t1 - t0) * 1e3,
             launch_ms=[(b.launched_at - step.started) * 1e3 for b in step.order],
         )
+        if self.observer is not None:
+            stats = replace(stats, **self.observer.end_step(stats))
+        self.last_step = stats
         self.steps += 1
-        if self.telemetry is not None:
-            self.telemetry.end_step(self.last_step)
 
     def abandon_step(self) -> None:
         """Forget an open step whose backward never ran (e.g. forward under grad, no backward)."""

@@ -10,60 +10,23 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from .. import _torch_compat as compat
-from ..runtime.reducer import StepStats
+from .._errors import ConfigError
+from .figure import gantt_figure
+from .instrument import instrument
 from .timeline import Span, StepTimeline, chrome_trace, overlap_pct, union
 
-__all__ = ["Telemetry", "gantt_figure"]
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from ..runtime.reducer import StepStats
+
+__all__ = ["Telemetry"]
 
 log = logging.getLogger(__name__)
-
-
-def gantt_figure(spans: Sequence[Span], *, title: str, origin: float):
-    """A matplotlib figure of one step: compute spans and each bucket's all-reduce.
-
-    Example:
-        >>> fig = gantt_figure([Span("compute", "g0.s0 fwd", 0.0, 0.01)], title="step 0", origin=0.0)
-        >>> fig.axes[0].get_title()
-        'step 0'
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on training nodes
-    import matplotlib.pyplot as plt
-
-    spans = [s for s in spans if s.track in ("compute", "comm")]
-    rows = sorted({(s.track, s.lane) for s in spans}, key=lambda r: (r[0] != "compute", r[1]))
-    span_ms = max([(s.end - origin) * 1e3 for s in spans] + [1e-3])
-    fig, ax = plt.subplots(figsize=(10, 1.0 + 0.4 * max(1, len(rows))))
-    colors = {"compute": "#4C72B0", "comm": "#DD8452"}
-    for y, (track, lane) in enumerate(rows):
-        for s in spans:
-            if (s.track, s.lane) != (track, lane):
-                continue
-            fwd = s.name.endswith("fwd")
-            width, left = (s.end - s.start) * 1e3, (s.start - origin) * 1e3
-            ax.barh(
-                y,
-                width,
-                left=left,
-                height=0.6,
-                color=colors.get(track, "gray"),
-                alpha=0.55 if fwd else 0.95,
-                edgecolor="black",
-                linewidth=0.3,
-            )
-            if track == "compute" and width >= 0.04 * span_ms:
-                ax.text(left + width / 2, y, s.name.split(".", 1)[-1], ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([t if t == "compute" else f"all-reduce b{lane}" for t, lane in rows])
-    ax.invert_yaxis()
-    ax.set_xlabel("ms since the step's first forward")
-    ax.set_title(title)
-    fig.tight_layout()
-    return fig
 
 
 class Telemetry:
@@ -85,7 +48,7 @@ class Telemetry:
         os.makedirs(self.trace_dir, exist_ok=True)
         self.writer = None
         if run_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
+            SummaryWriter = _summary_writer_class()
 
             # A deep queue: with the default (10 events) add_scalar blocks on the writer thread.
             self.writer = SummaryWriter(log_dir=run_dir, max_queue=1000, flush_secs=10)
@@ -95,6 +58,11 @@ class Telemetry:
         self.recompiles = 0
         self.graph_breaks: list[str] = []
         self.last_overlap_pct = 0.0
+
+    # -- compile side (compile.backend.CompileObserver) ------------------------------------
+    def instrument(self, compiled: Callable, graph_id: int) -> Callable:
+        """``compiled`` with each segment's forward and backward recorded as compute spans."""
+        return instrument(compiled, self, graph_id)
 
     # -- compile side ------------------------------------------------------------------
     def compiled(
@@ -148,6 +116,24 @@ class Telemetry:
         self.timeline.begin(time.perf_counter())
         self._compiled_this_step = False
 
+    def bucket_launched(self, index: int, nbytes: int, nparams: int, work: dist.Work) -> None:
+        start, timeline = time.perf_counter(), self.timeline
+
+        def done(fut: object) -> None:
+            # Runs on the communication thread when the all-reduce completes.
+            timeline.add(
+                Span(
+                    "comm",
+                    f"bucket {index}",
+                    start,
+                    time.perf_counter(),
+                    lane=index,
+                    args={"bytes": nbytes, "params": nparams},
+                )
+            )
+
+        work.get_future().then(done)
+
     def _wants_figure(self, step: int) -> bool:
         # A step that compiled (step 0: capture and the lazy backward compile) would show
         # compilation, not training: the first picture is of the first step after warm-up,
@@ -159,7 +145,7 @@ class Telemetry:
             self._first_warm_step = step
         return (step - self._first_warm_step) % self.figure_every == 0
 
-    def end_step(self, stats: StepStats) -> None:
+    def end_step(self, stats: StepStats) -> dict[str, float]:
         origin = self.timeline.start
         spans = self.timeline.finish()
         spans.append(
@@ -173,17 +159,17 @@ class Telemetry:
         )
         comm = [(s.start, s.end) for s in spans if s.track == "comm"]
         compute = [(s.start, s.end) for s in spans if s.track == "compute"]
-        stats.overlap_pct = overlap_pct(comm, compute)
-        stats.comm_ms = sum(e - s for s, e in union(comm)) * 1e3
-        self.last_overlap_pct = stats.overlap_pct
-        spans[-1].args["overlap_pct"] = round(stats.overlap_pct, 2)
+        overlap = overlap_pct(comm, compute)
+        derived = {"overlap_pct": overlap, "comm_ms": sum(e - s for s, e in union(comm)) * 1e3}
+        self.last_overlap_pct = overlap
+        spans[-1].args["overlap_pct"] = round(overlap, 2)
         w = self.writer
         if w is not None:
             values = {
                 "step/time_ms": stats.fwd_bwd_ms,
                 "step/exposed_comm_ms": stats.exposed_comm_ms,
-                "step/overlap_pct": stats.overlap_pct,
-                "step/comm_ms": stats.comm_ms,
+                "step/overlap_pct": derived["overlap_pct"],
+                "step/comm_ms": derived["comm_ms"],
                 "comm/megabytes": stats.bytes / 2**20,
             }
             for s in spans:
@@ -203,10 +189,11 @@ class Telemetry:
             fig = gantt_figure(
                 spans,
                 title=f"rank {self.rank}, step {stats.step}: "
-                f"overlap {stats.overlap_pct:.0f}%, exposed comm {stats.exposed_comm_ms:.1f} ms",
+                f"overlap {overlap:.0f}%, exposed comm {stats.exposed_comm_ms:.1f} ms",
                 origin=origin,
             )
             w.add_figure("timeline/step", fig, stats.step, close=True)
+        return derived
 
     def _scalars(self, values: dict[str, float], step: int) -> None:
         # One event holding every scalar of the step: a tenth of the cost of one
@@ -221,3 +208,16 @@ class Telemetry:
             self.writer.flush()
             self.writer.close()
             self.writer = None
+
+
+def _summary_writer_class() -> type:
+    try:
+        import matplotlib  # noqa: F401 - the Gantt figures need it too
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ConfigError(
+            f"wrap(..., logdir=...) writes TensorBoard files, but {exc.name or 'a dependency'} is not "
+            "installed. Install the telemetry extra: pip install 'distcompile[telemetry]' (TensorBoard "
+            "and matplotlib), or drop logdir=."
+        ) from exc
+    return SummaryWriter

@@ -19,7 +19,7 @@ def test_not_a_module() -> None:
 
 def test_no_process_group() -> None:
     assert not dist.is_initialized()
-    with pytest.raises(UnsupportedModelError, match="init_process_group"):
+    with pytest.raises(ConfigError, match="init_process_group"):
         distcompile.wrap(nn.Linear(2, 2))
 
 

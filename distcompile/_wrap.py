@@ -1,0 +1,69 @@
+"""``distcompile.wrap``: where the packages meet (adopt the DDP model, attach telemetry, build the module)."""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+from torch import nn
+
+from . import _torch_compat as compat
+from ._config import Config
+from ._errors import UnsupportedModelError
+from ._log import enable_progress
+from .runtime.ddp import adopt
+from .runtime.module import DistCompiledModule
+from .telemetry.sink import Telemetry
+
+__all__ = ["wrap"]
+
+
+def _make_telemetry(config: Config, rank: int, first_rank: int) -> Telemetry | None:
+    if not config.logdir:
+        return None
+    if config.telemetry_all_ranks:
+        run_dir: str | None = os.path.join(config.logdir, f"rank{rank}")
+    else:
+        run_dir = config.logdir if rank == first_rank else None
+    return Telemetry(
+        run_dir=run_dir,
+        trace_dir=os.path.join(config.logdir, "traces"),
+        rank=rank,
+        trace_every=config.trace_every,
+        figure_every=config.figure_every,
+    )
+
+
+def wrap(model: nn.Module, config: Config | None = None, **options: object) -> DistCompiledModule:
+    """Compile a data-parallel model so each gradient bucket's all-reduce overlaps backward.
+
+    ``model`` is a ``DistributedDataParallel`` model (its process group, bucket cap,
+    ``broadcast_buffers``, ``gradient_as_bucket_view`` and fp16/bf16 comm hook are
+    honoured) or a plain module when a default process group is initialized (its
+    parameters and buffers are then broadcast from rank 0, as DDP does).
+
+    Args:
+        model: The DDP model, or a plain ``nn.Module``.
+        config: Options; see :class:`distcompile.Config`.
+        **options: Any ``Config`` field, overriding ``config``.
+
+    Returns:
+        A module to train exactly like the DDP model (``no_sync()`` included).
+
+    Example:
+        >>> # torch.distributed.init_process_group("gloo")
+        >>> # model = distcompile.wrap(DDP(MyModel()), backend="inductor")
+        >>> # loss = loss_fn(model(x), y); loss.backward(); opt.step()
+    """
+    cfg = config or Config()
+    if options:
+        cfg = cfg.replace(**options)
+    if isinstance(model, DistCompiledModule) or compat.is_compiled_module(model):
+        raise UnsupportedModelError(
+            f"got an already compiled model ({type(model).__name__}); distcompile compiles the "
+            "model itself. Pass the uncompiled DDP model (drop torch.compile / the earlier wrap)."
+        )
+    inner, settings = adopt(model, cfg)
+    enable_progress(rank=dist.get_rank(), first_rank=dist.get_rank() == settings.ranks[0])
+    telemetry = _make_telemetry(cfg, dist.get_rank(), settings.ranks[0])
+    return DistCompiledModule(inner, config=cfg, settings=settings, source=model, observer=telemetry)

@@ -1,0 +1,382 @@
+"""The TorchDynamo backend: one captured graph in, compiled bucket-aligned segments out.
+
+``GraphCompiler.__call__`` is the recipe, one named step each:
+
+1. ``_take_recompile_reasons``: the guards that failed (a recompile), and the policy.
+2. ``_plan``: read the graph, price it (``bucket_cap_mb="auto"``), plan segments and buckets.
+3. ``_agree``: every rank captured the same graph and planned the same segments.
+4. ``_compile``: split the graph at the segment boundaries and compile each piece (timed).
+5. ``_register``: the reducer learns the graph's buckets.
+6. ``_record``: a ``GraphRecord``, the log lines, and the observer (telemetry).
+
+Any exception from inside torch becomes a ``CompileError`` naming the step, the graph,
+the backend, the torch version and the next step down the debugging ladder.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import fx
+
+from .. import _torch_compat as compat
+from .._agreement import check_agreement, default_store
+from .._config import Config
+from .._errors import CompileError, DistCompileError, RecompileError
+from ..capture.breaks import graph_break_reason
+from ..capture.flops import node_flops
+from ..capture.graph import CapturedGraph, read_graph
+from ..planning.costs import CostModel
+from ..planning.plan import GraphCosts, Plan, plan_graph
+from .segments import inner_compiler, split_and_compile
+
+__all__ = ["BucketRegistry", "CompileObserver", "CompileTarget", "GraphCompiler", "GraphRecord"]
+
+log = logging.getLogger(__name__)
+
+
+class BucketRegistry(Protocol):
+    """What the backend needs of the gradient reducer (``runtime.reducer.BucketReducer``)."""
+
+    steps: int
+
+    def claimed(self) -> set[str]:
+        """Parameters bucketed by graphs that already ran in the open step."""
+
+    def add_graph(self, graph_id: int, buckets: Sequence[Sequence[str]]) -> None:
+        """Register a graph's planned buckets (parameter names)."""
+
+    def record_graph(self, graph_id: int) -> None:
+        """Note that the graph ran with gradients in the open step."""
+
+
+class CompileObserver(Protocol):
+    """What the backend tells an observer (``telemetry.sink.Telemetry``)."""
+
+    def compiled(self, **figures: object) -> None:
+        """A graph was compiled (see ``Telemetry.compiled`` for the figures)."""
+
+    def instrument(self, compiled: Callable, graph_id: int) -> Callable:
+        """``compiled``, with each segment's forward and backward timed."""
+
+
+@dataclass(frozen=True, slots=True)
+class GraphRecord:
+    """One graph TorchDynamo captured and distcompile compiled.
+
+    Attributes:
+        graph_id: Order of capture within this wrapped model.
+        plan: Its segments and buckets.
+        compile_s: Seconds spent planning, checking and compiling it on this rank
+            (Inductor compiles the backward lazily, during the first backward).
+        num_nodes: Partitionable nodes in the graph.
+        segment_compile_s: Forward compile seconds of each segment.
+        graph_break: Why TorchDynamo ended this graph early (``None`` if it ran to the
+            end of the compiled function), with the user code location.
+        recompile_reasons: Every failed guard, in TorchDynamo's order (one per cached
+            entry of this model's code), if this graph recompiles code compiled before.
+        cache_hits: FX-graph and AOTAutograd cache hits while compiling it.
+        planned_by: How the segments were chosen: the bucket caps, or the measured
+            costs (``bucket_cap_mb="auto"``).
+    """
+
+    graph_id: int
+    plan: Plan
+    compile_s: float
+    num_nodes: int
+    segment_compile_s: tuple[float, ...] = ()
+    graph_break: str | None = None
+    recompile_reasons: tuple[str, ...] = ()
+    cache_hits: int = 0
+    planned_by: str = ""
+
+    @property
+    def recompile_reason(self) -> str | None:
+        """All failed guards on one line (``None`` for a first compile)."""
+        return "; ".join(self.recompile_reasons) or None
+
+
+def _ladder_hint(backend: str) -> str:
+    lower = {"inductor": "aot_eager", "aot_eager": "eager"}.get(backend)
+    if lower is None:
+        return (
+            "backend='eager' only captures the graph, so the failure is in TorchDynamo's capture or in "
+            "splitting it: check the model under plain torch.compile(model, backend='eager')."
+        )
+    return (
+        f"Try the next step down the debugging ladder, wrap(..., backend={lower!r}): if that works, the "
+        f"problem is in the {backend} stage (distcompile.doctor walks the whole ladder)."
+    )
+
+
+def _recording(compiled: Callable, registry: BucketRegistry, graph_id: int) -> Callable:
+    # TorchDynamo calls a backend's result with positional tensors (never boxed).
+    def run(*args: object) -> object:
+        if torch.is_grad_enabled():
+            registry.record_graph(graph_id)
+        return compiled(*args)
+
+    return run
+
+
+@dataclass(frozen=True, slots=True)
+class CompileTarget:
+    """What the backend compiles for: one wrapped model on one rank.
+
+    Attributes:
+        config: The effective options.
+        params_by_id: ``id(parameter)`` -> its name in the wrapped module (trainable only).
+        bucket_cap: Bytes of every bucket; ``first_bucket_cap``: of the first one.
+        compression: ``None``, ``"fp16"`` or ``"bf16"``.
+        costs: The measured cost model (``bucket_cap_mb="auto"``), else ``None``.
+        rank: This process's global rank; ``ranks``: the group's global ranks.
+        store_prefix: Prefix of this model's keys in the c10d store.
+    """
+
+    config: Config
+    params_by_id: dict[int, str]
+    bucket_cap: int
+    first_bucket_cap: int
+    compression: str | None
+    costs: CostModel | None
+    rank: int
+    ranks: tuple[int, ...]
+    store_prefix: str
+
+
+class GraphCompiler:
+    """The TorchDynamo backend of one wrapped model (see the module docstring for the steps).
+
+    Example:
+        >>> # backend = GraphCompiler(CompileTarget(...), registry=reducer, observer=None)
+        >>> # compiled = torch.compile(module, backend=backend)  # as wrap() does
+    """
+
+    def __init__(
+        self, target: CompileTarget, *, registry: BucketRegistry, observer: CompileObserver | None
+    ) -> None:
+        self.target = target
+        config = target.config
+        self.registry = registry
+        self.observer = observer
+        self.records: list[GraphRecord] = []
+        self._guard_failures: list[str] = []
+        self._doing = ""
+        self._compiler = inner_compiler(
+            config.backend, mode=config.mode, cudagraphs=config.cudagraphs, dynamic=config.dynamic
+        )
+
+    def guard_failed(self, reason: str) -> None:
+        """TorchDynamo's ``guard_fail_fn``: one failed guard of this model's cached code."""
+        self._guard_failures.append(reason)
+
+    def forget_guard_failures(self) -> None:
+        """Drop failures seen while another model compiled (called before each forward)."""
+        self._guard_failures.clear()
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        graph_id = len(self.records)
+        self._doing = "reading the captured graph"
+        try:
+            t0 = time.perf_counter()
+            hits_before = compat.compile_cache_hits()
+            reasons = self._take_recompile_reasons()
+            captured, plan, planned_by = self._plan(gm, example_inputs)
+            self._agree(gm, example_inputs, plan, graph_id)
+            compiled, segment_s = self._compile(
+                gm, example_inputs, captured, plan, graph_id, planned_by, reasons
+            )
+            self._register(graph_id, plan)
+            record = GraphRecord(
+                graph_id=graph_id,
+                plan=plan,
+                compile_s=time.perf_counter() - t0,
+                num_nodes=len(captured.nodes),
+                segment_compile_s=tuple(segment_s),
+                graph_break=graph_break_reason(gm),
+                recompile_reasons=reasons,
+                cache_hits=compat.compile_cache_hits() - hits_before,
+                planned_by=planned_by,
+            )
+            compiled = self._record(record, compiled, t0)
+        except DistCompileError:
+            raise
+        except Exception as exc:
+            cfg = self.target.config
+            raise CompileError(
+                f"rank {self.target.rank}: {self._doing} of graph {graph_id} ({len(gm.graph.nodes)} FX nodes, "
+                f"backend={cfg.backend!r}) failed inside torch {torch.__version__}: "
+                f"{type(exc).__name__}: {' '.join(str(exc).split())[:800].rstrip('.')}. "
+                f"{_ladder_hint(cfg.backend)} The torch traceback is chained below; "
+                "distcompile.explain(model, *inputs) shows the graphs and segments."
+            ) from exc
+        return _recording(compiled, self.registry, graph_id)
+
+    # -- the steps ---------------------------------------------------------------------
+    def _take_recompile_reasons(self) -> tuple[str, ...]:
+        reasons = tuple(r.splitlines()[0].strip() for r in self._guard_failures if "BACKEND_MATCH" not in r)
+        self._guard_failures.clear()
+        steps = self.registry.steps
+        if reasons and self.target.config.recompile == "error" and steps > 0:
+            raise RecompileError(
+                f"rank {self.target.rank}: TorchDynamo is recompiling after {steps} step(s) because "
+                f"guard(s) {list(reasons)!r} failed, and recompile='error' forbids recompiles after "
+                "warm-up. Keep input shapes, dtypes and module flags (train/eval) constant, mark varying "
+                "dimensions with torch._dynamo.mark_dynamic(x, dim) or wrap(..., dynamic=True) before "
+                "the first step, or use recompile='allow'."
+            )
+        return reasons
+
+    def _plan(self, gm: fx.GraphModule, example_inputs: list) -> tuple[CapturedGraph, Plan, str]:
+        t = self.target
+        captured = read_graph(gm, example_inputs, t.params_by_id)
+        self._doing = "planning segments and buckets"
+        param_bytes = {n: p.numel() * p.element_size() for n, p in captured.params.items()}
+        owned = self.registry.claimed()  # parameters an earlier graph of this step buckets
+        costs = self._graph_costs(gm, example_inputs, captured.body, first_graph=not owned)
+        plan = plan_graph(
+            captured.nodes,
+            param_bytes,
+            bucket_cap=t.bucket_cap,
+            first_bucket_cap=t.first_bucket_cap,
+            owned_elsewhere=owned,
+            costs=costs,
+        )
+        if costs is not None and t.costs is not None:
+            planned_by = f"measured costs: {t.costs.describe()}"
+        else:
+            mib = 1024 * 1024
+            planned_by = (
+                f"bucket caps: {t.bucket_cap / mib:g} MiB, first bucket {t.first_bucket_cap / mib:g} MiB"
+            )
+        return captured, plan, planned_by
+
+    def _graph_costs(
+        self, gm: fx.GraphModule, example_inputs: list, body: tuple, *, first_graph: bool
+    ) -> GraphCosts | None:
+        t = self.target
+        if t.costs is None:
+            return None
+        try:
+            flops = node_flops(gm, example_inputs, body)
+        except Exception as exc:  # noqa: BLE001 - the graph is still planned, by DDP's caps
+            # Deterministic for a given graph, so every rank falls back alike (and the
+            # plan agreement check would say so if not).
+            log.warning(
+                "bucket_cap_mb='auto': cannot count this graph's FLOPs (%s: %s); planning it with "
+                "DDP's bucket caps instead",
+                type(exc).__name__,
+                exc,
+            )
+            return None
+        # 16-bit compression halves the bytes on the wire: of every bucket, or of the tail
+        # alone, which is the first segment of the step's first graph.
+        half = 0.5 if t.compression else 1.0
+        if t.config.compression_scope == "tail":
+            return t.costs.graph_costs(flops, tail_wire_scale=half if first_graph else 1.0)
+        return t.costs.graph_costs(flops, wire_scale=half, tail_wire_scale=half)
+
+    def _agree(self, gm: fx.GraphModule, example_inputs: list, plan: Plan, graph_id: int) -> None:
+        self._doing = "checking that every rank captured the same graph"
+        t = self.target
+        shapes = [
+            tuple(str(d) for d in x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            for x in example_inputs
+        ]
+        check_agreement(
+            default_store(),
+            f"{t.store_prefix}/graph{graph_id}",
+            f"inputs: {shapes}\n{gm.code.strip()}\nplan:\n{plan.describe()}",
+            rank=t.rank,
+            ranks=list(t.ranks),
+            timeout_s=t.config.desync_timeout_s,
+            what=f"graph {graph_id}",
+        )
+
+    def _compile(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: list,
+        captured: CapturedGraph,
+        plan: Plan,
+        graph_id: int,
+        planned_by: str,
+        reasons: tuple[str, ...],
+    ) -> tuple[Callable, list[float]]:
+        cfg = self.target.config
+        log.info(
+            "graph %d: %d nodes -> %d segment(s), %d bucket(s) (%s); compiling with %s%s",
+            graph_id,
+            len(captured.nodes),
+            len(plan.segments),
+            len(plan.buckets),
+            planned_by,
+            cfg.backend,
+            f" (recompile: {'; '.join(reasons)})" if reasons else "",
+        )
+        segment_s: list[float] = []
+
+        def timed_compiler(piece: fx.GraphModule, inputs: list) -> Callable:
+            self._doing = f"compiling segment {len(segment_s)} of {len(plan.segments)}"
+            start = time.perf_counter()
+            try:
+                return self._compiler(piece, inputs)
+            finally:
+                segment_s.append(time.perf_counter() - start)
+
+        self._doing = "splitting the graph into segments"
+        compiled = split_and_compile(
+            gm,
+            example_inputs,
+            captured=captured,
+            plan=plan,
+            compiler=timed_compiler,
+            cacheable=cfg.backend == "inductor",
+        )
+        return compiled, segment_s
+
+    def _register(self, graph_id: int, plan: Plan) -> None:
+        self._doing = "registering the graph's buckets"
+        self.registry.add_graph(graph_id, [b.params for b in plan.buckets])
+
+    def _record(self, record: GraphRecord, compiled: Callable, t0: float) -> Callable:
+        self._doing = "recording the compiled graph"
+        self.records.append(record)
+        t = self.target
+        log.info(
+            "graph %d compiled in %.2f s (%d cache hit(s))%s",
+            record.graph_id,
+            record.compile_s,
+            record.cache_hits,
+            "; its backward compiles during the first backward" if t.config.backend != "eager" else "",
+        )
+        reasons = record.recompile_reasons
+        if reasons:
+            # Every rank recompiles together (the agreement check makes sure), so the first
+            # rank speaks for all of them.
+            log.log(
+                logging.WARNING if t.rank == t.ranks[0] else logging.DEBUG,
+                "graph %d is a recompile (%d failed guard(s), in TorchDynamo's order):\n  %s",
+                record.graph_id,
+                len(reasons),
+                "\n  ".join(reasons),
+            )
+        if self.observer is None:
+            return compiled
+        self.observer.compiled(
+            graph_id=record.graph_id,
+            step=self.registry.steps,
+            start=t0,
+            end=t0 + record.compile_s,
+            segment_s=record.segment_compile_s,
+            plan_table=f"planned by {record.planned_by}\n{record.plan.describe()}",
+            breaks=[record.graph_break] if record.graph_break else [],
+            recompile_reasons=reasons,
+            cache_hits=record.cache_hits,
+        )
+        return self.observer.instrument(compiled, record.graph_id)

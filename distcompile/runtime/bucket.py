@@ -1,0 +1,158 @@
+"""One flat gradient bucket: its buffer, the used flags, filling, launching and finishing.
+
+The schedule of buckets and the algorithm are in ``reducer.py`` (Note [Bucketed all-reduce]).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .._errors import UnsupportedModelError
+
+__all__ = ["FlatBucket"]
+_COMPRESSED = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class FlatBucket:
+    """One flat buffer of same-dtype parameters, plus one used-flag per parameter."""
+
+    def __init__(
+        self,
+        index: int,
+        params: Sequence[tuple[str, torch.nn.Parameter]],
+        *,
+        compression: str | None,
+        grad_as_view: bool,
+    ) -> None:
+        self.index = index
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        dtype, device = self.params[0].dtype, self.params[0].device
+        self.numel = sum(p.numel() for p in self.params)
+        self.offsets = []
+        offset = 0
+        for p in self.params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        total = self.numel + len(self.params)
+        self.buffer = torch.zeros(total, dtype=dtype, device=device)
+        wire = _COMPRESSED[compression]
+        self.wire = (
+            self.buffer if wire is None or wire == dtype else torch.zeros(total, dtype=wire, device=device)
+        )
+        self.grad_as_view = grad_as_view
+        self.views = [self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
+        self.wire_views = (
+            self.views
+            if self.wire is self.buffer
+            else [self.wire[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
+        )
+        self.ready = [False] * len(self.params)
+        self.n_ready = 0
+        self.produced: tuple[bool, ...] = ()
+        self._flag_cache: dict[tuple[bool, ...], torch.Tensor] = {}
+        self.work: dist.Work | None = None
+        self.launched_at = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return self.wire.numel() * self.wire.element_size()
+
+    def reset(self) -> None:
+        self.ready = [False] * len(self.params)
+        self.n_ready = 0
+        self.work = None
+
+    def _flags(self, produced: tuple[bool, ...], scale: float) -> torch.Tensor:
+        # One device tensor per pattern of locally produced gradients (nearly always a
+        # single pattern: all of them), made once: a steady-state step copies nothing from
+        # the host, so on CUDA the CPU never waits for the GPU here.
+        flags = self._flag_cache.get(produced)
+        if flags is None:
+            host = torch.tensor([scale if r else 0.0 for r in produced], dtype=self.wire.dtype)
+            flags = self._flag_cache[produced] = host.to(self.wire.device)
+        return flags
+
+    def _fill(self, produced: tuple[bool, ...], scale: float) -> None:
+        """Write ``scale * grad`` of every produced gradient into the wire buffer (zeros elsewhere)."""
+        dense = self.wire[: self.numel]
+        grads = [p.grad for p in self.params]
+        if all(produced):
+            in_bucket = [g.data_ptr() == v.data_ptr() for g, v in zip(grads, self.views)]
+            if all(in_bucket):
+                # Gradients live in the bucket (gradient_as_bucket_view): one scale (and cast).
+                torch.mul(self.buffer[: self.numel], scale, out=dense)
+                return
+            if not any(in_bucket):
+                # One copy (and cast) of all gradients into the bucket, then one scale.
+                torch.cat([g.reshape(-1) for g in grads], out=dense)
+                dense.mul_(scale)
+                return
+        for i, g in enumerate(grads):  # mixed: per parameter
+            dst = self.wire_views[i]
+            if not produced[i]:
+                dst.zero_()
+            elif g.data_ptr() == dst.data_ptr():
+                dst.mul_(scale)
+            else:
+                torch.mul(g, scale, out=dst)
+
+    def launch(self, group: dist.ProcessGroup | None, scale: float) -> dist.Work:
+        """Fill the wire buffer with ``scale * grad`` (and the used flags); start its all-reduce."""
+        produced = tuple(r and p.grad is not None for r, p in zip(self.ready, self.params))
+        for name, p, r in zip(self.names, self.params, produced):
+            if r and p.grad.is_sparse:
+                raise UnsupportedModelError(
+                    f"parameter {name!r} has a sparse gradient; distcompile reduces dense "
+                    "buckets only. Use nn.Embedding(sparse=False) or plain DDP for this model."
+                )
+        self.produced = produced
+        self._fill(produced, scale)
+        self.wire[self.numel :].copy_(self._flags(produced, scale))
+        self.launched_at = time.perf_counter()
+        self.work = dist.all_reduce(self.wire, group=group, async_op=True)
+        return self.work
+
+    def nonfinite(self) -> list[str]:
+        """Names of parameters whose synchronized gradient holds NaN or Inf."""
+        if bool(torch.isfinite(self.wire[: self.numel]).all()):
+            return []
+        return [n for n, v in zip(self.names, self.wire_views) if not bool(torch.isfinite(v).all())]
+
+    def finish(self) -> None:
+        if self.work is None:
+            raise RuntimeError(f"bucket {self.index}: finish() before launch()")
+        # Drop the Work at once rather than at the next step: the last step's Work would
+        # otherwise live until interpreter teardown, holding this buffer and (with
+        # an observer) a Python callback.
+        work, self.work = self.work, None
+        work.wait()  # on CUDA/NCCL: the current stream waits for the all-reduce, not the host
+        used = self.wire[self.numel :]  # > 0 where some rank produced a gradient
+        used_host: list[float] | None = None
+        for i, p in enumerate(self.params):
+            src = self.wire_views[i]
+            if not self.produced[i]:
+                # This rank produced no gradient: the average (zeros standing in for this
+                # rank) if another rank did, else .grad stays as it was, as in DDP.
+                if p.grad is None:
+                    # Whether to create a .grad is a host decision: read the flags back
+                    # (only in steps where this rank left a parameter without gradient).
+                    if used_host is None:
+                        used_host = used.tolist()
+                    if used_host[i] <= 0:
+                        continue
+                else:
+                    src = torch.where(used[i] > 0, src.to(p.grad.dtype), p.grad)
+            if self.grad_as_view:
+                if src is not self.views[i]:
+                    self.views[i].copy_(src)
+                if p.grad is None or p.grad.data_ptr() != self.views[i].data_ptr():
+                    p.grad = self.views[i]
+            elif p.grad is None:
+                p.grad = src.to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(src)

@@ -1,0 +1,279 @@
+"""Adopting the DDP model: its options, resolved with ``wrap``'s, checked across ranks.
+
+``adopt`` turns what the user passed (a DDP model, or a plain module with a default
+process group) and the ``Config`` into one ``Settings``: the process group, bucket caps
+(DDP's rules), ``broadcast_buffers``, ``gradient_as_bucket_view``, compression (DDP's
+fp16/bf16 hooks included), ignored parameters, the device, and the measured costs under
+``bucket_cap_mb="auto"``. It also checks that every rank holds the same parameters.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .. import _torch_compat as compat
+from .._agreement import check_agreement, default_store
+from .._config import Config
+from .._errors import ConfigError, UnsupportedModelError
+from ..planning.costs import CostModel
+from ..planning.plan import DEFAULT_FIRST_BUCKET_BYTES
+from .collectives import broadcast_coalesced
+from .measure import measure_costs
+
+__all__ = ["Settings", "adopt", "bucket_caps"]
+
+#: Store keys of the cross-rank checks. A per-process counter: every rank must call
+#: ``wrap`` for its models in the same order (as with any collective), so the n-th check
+#: of every rank uses the same key.
+_check_ids = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything the runtime and the backend need from the DDP model and ``Config``, resolved.
+
+    Attributes:
+        group: The process group (``None``: the default group).
+        ranks: Global ranks of ``group``, in group order.
+        bucket_cap: Bytes of every bucket (DDP's rules, see :func:`bucket_caps`).
+        first_bucket_cap: Bytes of the first bucket.
+        broadcast_buffers: Broadcast buffers from the group's first rank before each forward.
+        grad_as_view: ``gradient_as_bucket_view``.
+        compression: ``None``, ``"fp16"`` or ``"bf16"`` (``Config`` or the DDP comm hook).
+        ignored: Parameter and buffer names DDP was told to ignore.
+        device: Where inputs go (the DDP model's ``device_ids[0]``), or ``None``.
+        costs: The measured cost model under ``bucket_cap_mb="auto"``, else ``None``.
+    """
+
+    group: dist.ProcessGroup | None
+    ranks: tuple[int, ...]
+    bucket_cap: int
+    first_bucket_cap: int
+    broadcast_buffers: bool
+    grad_as_view: bool
+    compression: str | None
+    ignored: frozenset[str]
+    device: torch.device | None
+    costs: CostModel | None
+
+
+def adopt(model: nn.Module, cfg: Config) -> tuple[nn.Module, Settings]:
+    """Validate ``model``, resolve its options with ``cfg``'s, and check it across ranks.
+
+    A collective on the model's process group: every rank calls it (``wrap`` does). Returns
+    the inner module to compile and the settings. A plain module's parameters and buffers
+    are broadcast from rank 0, as DDP's constructor does.
+
+    Example:
+        >>> # inner, settings = adopt(DDP(model), Config())
+    """
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(
+            f"distcompile.wrap expects a torch.nn.Module or DistributedDataParallel, got "
+            f"{type(model).__name__}. Pass your model object (e.g. DDP(MyModel()))."
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError(
+            "distcompile.wrap needs an initialized default process group, found none. "
+            "Call torch.distributed.init_process_group() first (torchrun sets the environment), "
+            "then build DistributedDataParallel(model) and wrap it."
+        )
+    inner, fields = _from_ddp(model) if isinstance(model, DDP) else _from_module(model)
+    cap, first_cap = bucket_caps(
+        model, bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_cap_mb=cfg.first_bucket_cap_mb
+    )
+    broadcast_buffers, grad_as_view, compression = fields.pop("inherited")
+    group = fields["group"]
+    params = list(inner.parameters())
+    if cfg.cudagraphs and not (params and all(p.is_cuda for p in params)):
+        raise ConfigError(
+            f"cudagraphs=True needs a model on CUDA, but its parameters are on "
+            f"{params[0].device if params else 'no parameters'}. CUDA graphs record GPU kernels only; "
+            "drop cudagraphs=True on this machine."
+        )
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    if isinstance(model, DDP):
+        if cfg.check_params:
+            _agree_on(
+                inner,
+                ranks,
+                cfg,
+                "params",
+                _param_checksums(inner),
+                "the parameter values at wrap time",
+                "DDP broadcast rank 0's parameters when it was built; they changed since on some rank "
+                "(e.g. a checkpoint loaded on one rank only). Load the same weights on every rank before "
+                "wrap(), or wrap(..., check_params=False) to skip this check.",
+            )
+    else:
+        # A plain module gets no DDP constructor check; without this, ranks whose models
+        # differ in shape would hang or fail inside the first broadcast.
+        shapes = "\n".join(f"{n} {tuple(p.shape)} {p.dtype}" for n, p in inner.named_parameters())
+        _agree_on(
+            inner,
+            ranks,
+            cfg,
+            "shapes",
+            shapes,
+            "the model's parameter names, shapes and dtypes",
+            "Every rank must build the same model before wrap().",
+        )
+        states = [p.detach() for p in params] + [b.detach() for b in inner.buffers()]
+        if states:
+            broadcast_coalesced(states, src=ranks[0], group=group)
+    costs = None
+    if cfg.bucket_cap_mb == "auto":
+        device = fields["device"] or (params[0].device if params else torch.device("cpu"))
+        costs = measure_costs(group=group, device=device, remember_dir=_costs_dir())
+    return inner, Settings(
+        **fields,
+        ranks=ranks,
+        bucket_cap=cap,
+        first_bucket_cap=first_cap,
+        broadcast_buffers=_pick(cfg.broadcast_buffers, broadcast_buffers),
+        grad_as_view=_pick(cfg.gradient_as_bucket_view, grad_as_view),
+        compression=cfg.compression or compression,
+        costs=costs,
+    )
+
+
+def _from_ddp(model: DDP) -> tuple[nn.Module, dict]:
+    if getattr(model, "mixed_precision", None) is not None:
+        raise UnsupportedModelError(
+            f"DDP mixed_precision={model.mixed_precision!r} is not supported. Use "
+            "torch.autocast in the training loop and compression='bf16' instead."
+        )
+    if compat.ddp_uses_python_reducer(model):
+        raise UnsupportedModelError(
+            "the DDP model was built while torch._dynamo.config.optimize_ddp='python_reducer', so "
+            "its Python reducer all-reduces every gradient itself and distcompile would communicate "
+            "twice. Build the DDP model with the default optimize_ddp (True) before wrap()."
+        )
+    group = model.process_group
+    try:
+        dist.get_process_group_ranks(group)  # raises for a destroyed group
+    except Exception as exc:  # noqa: BLE001 - any failure means the group is unusable
+        raise UnsupportedModelError(
+            f"the DDP model's process group is no longer usable ({type(exc).__name__}: {exc}); it "
+            "was probably destroyed. Build the DDP model on a live process group before wrap()."
+        ) from exc
+    return model.module, {
+        "group": group,
+        "ignored": frozenset(getattr(model, "parameters_to_ignore", ())),
+        "device": torch.device(model.device_type, model.device_ids[0]) if model.device_ids else None,
+        "inherited": (model.broadcast_buffers, model.gradient_as_bucket_view, _ddp_hook_compression(model)),
+    }
+
+
+def _from_module(model: nn.Module) -> tuple[nn.Module, dict]:
+    # What DDP(model) would have done: broadcast buffers, gradients not bucket views.
+    return model, {
+        "group": None,
+        "ignored": compat.ddp_ignored_names(model),
+        "device": None,
+        "inherited": (True, False, None),
+    }
+
+
+def _agree_on(
+    module: nn.Module, ranks: tuple[int, ...], cfg: Config, kind: str, summary: str, what: str, fix: str
+) -> None:
+    check_agreement(
+        default_store(),
+        f"distcompile/{kind}{next(_check_ids)}",
+        summary,
+        rank=dist.get_rank(),
+        ranks=list(ranks),
+        timeout_s=cfg.desync_timeout_s,
+        what=what,
+        fix=fix,
+    )
+
+
+def _costs_dir() -> str:
+    # Next to Inductor's compile cache: the remembered costs exist to keep that cache useful.
+    return os.path.join(compat.inductor_cache_dir(), "distcompile")
+
+
+def _pick(option: bool | None, inherited: bool) -> bool:
+    return inherited if option is None else option
+
+
+_MB = 1024 * 1024
+
+
+_DDP_DEFAULT_CAP_MB = 25
+
+
+_HOOK_COMPRESSION = {
+    "fp16_compress_hook": "fp16",
+    "bf16_compress_hook": "bf16",
+    "BuiltinCommHookType.FP16_COMPRESS": "fp16",
+    "allreduce_hook": None,
+    "BuiltinCommHookType.ALLREDUCE": None,
+}
+
+
+def _ddp_hook_compression(ddp: DDP) -> str | None:
+    names = compat.ddp_comm_hook_names(ddp)
+    for name in names:
+        if name not in _HOOK_COMPRESSION:
+            raise UnsupportedModelError(
+                f"the DDP model has communication hook {name!r} registered; distcompile reduces "
+                "gradients itself and supports only DDP's built-in allreduce, fp16 and bf16 "
+                "compression hooks. Remove the hook (build the DDP without register_comm_hook) "
+                "or pass compression='fp16'/'bf16' to distcompile.wrap."
+            )
+    return next((_HOOK_COMPRESSION[n] for n in names if _HOOK_COMPRESSION[n]), None)
+
+
+def _param_checksums(module: nn.Module) -> str:
+    # Two exact float64 sums per parameter (plain and position-weighted): equal bytes give
+    # equal sums, and a differing value or a swap changes them. No copy to the host.
+    lines = []
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            flat = p.detach().reshape(-1).double()
+            weights = (
+                torch.arange(flat.numel(), device=flat.device, dtype=torch.float64).remainder_(1009).add_(1)
+            )
+            lines.append(
+                f"{name} {tuple(p.shape)} {p.dtype} {float(flat.sum())!r} {float((flat * weights).sum())!r}"
+            )
+    return "\n".join(lines)
+
+
+def bucket_caps(
+    model: nn.Module, *, bucket_cap_mb: float | str | None, first_bucket_cap_mb: float | None
+) -> tuple[int, int]:
+    """Bytes of every bucket and of the first one, following DDP's rules.
+
+    The cap is ``bucket_cap_mb``, else the DDP model's, else DDP's default (25 MiB). The
+    first bucket is ``first_bucket_cap_mb``, else 1 MiB when the cap is DDP's default, else
+    the cap (as in DDP, an explicit ``bucket_cap_mb`` also sizes the first bucket).
+
+    Example:
+        >>> bucket_caps(nn.Linear(1, 1), bucket_cap_mb=None, first_bucket_cap_mb=None)
+        (26214400, 1048576)
+    """
+    if bucket_cap_mb == "auto":  # the caps only serve graphs the cost model cannot plan
+        bucket_cap_mb = None
+    if bucket_cap_mb is not None:
+        cap = int(bucket_cap_mb * _MB)
+    elif isinstance(model, DDP):
+        cap = int(model.bucket_bytes_cap)
+    else:
+        cap = _DDP_DEFAULT_CAP_MB * _MB
+    default = bucket_cap_mb is None and (
+        not isinstance(model, DDP) or bool(getattr(model, "bucket_bytes_cap_default", True))
+    )
+    if first_bucket_cap_mb is not None:
+        return cap, min(int(first_bucket_cap_mb * _MB), cap)
+    return cap, (min(DEFAULT_FIRST_BUCKET_BYTES, cap) if default else cap)

@@ -1,0 +1,79 @@
+"""Compute spans: each compiled segment's forward and backward on the step timeline."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import fx
+
+from .. import _torch_compat as compat
+from .timeline import Span
+
+if TYPE_CHECKING:
+    from .sink import Telemetry
+
+__all__ = ["instrument"]
+
+
+def _timed_call(fn: Callable, args: tuple, telemetry: Telemetry, label: str) -> object:
+    if not telemetry.recording:
+        return fn(*args)
+    t0 = time.perf_counter()
+    out = fn(*args)
+    timeline = telemetry.timeline
+    timeline.add(Span("compute", f"{label} fwd", t0, time.perf_counter()))
+    node = next(
+        (t.grad_fn for t in compat.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn),
+        None,
+    )
+    if node is not None:
+        # The piece's backward is one autograd node (under AOTAutograd); its pre- and
+        # post-hooks bracket the segment's backward without touching any tensor.
+        started: list[float] = []
+        node.register_prehook(lambda grad_outputs: started.append(time.perf_counter()))
+        node.register_hook(
+            lambda grad_inputs, grad_outputs: timeline.add(
+                Span(
+                    "compute",
+                    f"{label} bwd",
+                    started[0] if started else time.perf_counter(),
+                    time.perf_counter(),
+                )
+            )
+        )
+    return out
+
+
+class _TimedPiece(torch.nn.Module):
+    def __init__(self, piece: torch.nn.Module, telemetry: Telemetry, label: str) -> None:
+        super().__init__()
+        self.piece = piece
+        self.label = label
+        object.__setattr__(self, "telemetry", telemetry)
+
+    def forward(self, *args: object) -> object:
+        return _timed_call(self.piece, args, self.telemetry, self.label)
+
+
+def instrument(compiled: Callable, telemetry: Telemetry, graph_id: int) -> Callable:
+    """Record each piece's forward and backward span on ``telemetry``'s timeline.
+
+    Example:
+        >>> # used by distcompile.wrap when logdir= is given
+    """
+    # split_and_compile renamed each piece submod_N -> compiled_submod_N.
+    pieces = [n for n, _ in compiled.named_children()] if isinstance(compiled, fx.GraphModule) else []
+    pieces = [n for n in pieces if n.startswith("compiled_submod_")]
+    if pieces:
+        for k, name in enumerate(sorted(pieces, key=lambda n: int(n.rsplit("_", 1)[1]))):
+            setattr(compiled, name, _TimedPiece(getattr(compiled, name), telemetry, f"g{graph_id}.s{k}"))
+        return compiled
+    return functools.partial(_timed_call_args, compiled, telemetry, f"g{graph_id}.s0")
+
+
+def _timed_call_args(fn: Callable, telemetry: Telemetry, label: str, *args: object) -> object:
+    return _timed_call(fn, args, telemetry, label)

@@ -1,0 +1,165 @@
+"""The package layout stays true: who may import whom, no cycles, small modules and functions.
+
+The rules are those of each package's ``__init__`` docstring and ``docs/design.md``.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+import distcompile
+
+ROOT = pathlib.Path(distcompile.__file__).parent
+
+LEAVES = {"_errors", "_config", "_log", "_torch_compat", "_agreement"}
+CORE = {"planning", "capture", "compile", "runtime", "telemetry"}
+#: Unit -> the units it may import (a unit is a subpackage or a top-level module).
+ALLOWED: dict[str, set[str]] = {
+    "_errors": set(),
+    "_log": set(),
+    "_config": {"_errors"},
+    "_torch_compat": {"_errors"},
+    "_agreement": {"_errors", "_torch_compat"},
+    "planning": {"_errors"},
+    "capture": LEAVES | {"planning"},
+    "compile": LEAVES | {"planning", "capture"},
+    "runtime": LEAVES | {"planning", "capture", "compile"},
+    "telemetry": LEAVES | {"planning", "capture", "compile", "runtime"},
+    "_wrap": LEAVES | CORE,
+    "diagnostics": LEAVES | CORE | {"_wrap"},
+    "models": set(),
+    "__init__": LEAVES | CORE | {"_wrap", "diagnostics"},
+    "tools": LEAVES | CORE | {"_wrap", "diagnostics", "models", "__init__"},
+}
+MAX_MODULE_LINES = 420
+MAX_FUNCTION_LINES = 85
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _runtime_imports(path: pathlib.Path) -> set[str]:
+    """distcompile modules ``path`` imports when it runs (``TYPE_CHECKING`` blocks excluded)."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    return _imports_in(path.read_text(), module, package)
+
+
+def _imports_in(source: str, module: str, package: str) -> set[str]:
+    tree = ast.parse(source)
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "distcompile")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "distcompile":
+                continue
+            if node.module is None or target == "distcompile":  # from . import name
+                found.update(f"{target}.{a.name}" for a in node.names)
+            else:
+                found.add(target)
+    return {f for f in found if f != module}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def test_every_unit_has_a_rule() -> None:
+    units = {_unit(m) for m in _modules()}
+    assert units <= set(ALLOWED), f"add a rule for {sorted(units - set(ALLOWED))} to ALLOWED"
+
+
+def test_imports_follow_the_package_rules() -> None:
+    broken = []
+    for module, path in _modules().items():
+        unit = _unit(module)
+        for target in _runtime_imports(path):
+            other = _unit(target)
+            if other != unit and other not in ALLOWED[unit]:
+                broken.append(f"{module} imports {target} ({unit} may not import {other})")
+    assert not broken, "\n".join(broken)
+
+
+def test_no_import_cycles() -> None:
+    modules = _modules()
+    graph = {m: {t for t in _runtime_imports(p) if t in modules and t != m} for m, p in modules.items()}
+    # A package's __init__ is imported with any of its modules; that edge is not a cycle.
+    graph = {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in graph.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(t) :] + [t]))
+            if t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_modules_and_functions_stay_small() -> None:
+    big = []
+    for module, path in _modules().items():
+        text = path.read_text()
+        lines = text.count("\n")
+        if lines > MAX_MODULE_LINES:
+            big.append(f"{module}: {lines} lines (max {MAX_MODULE_LINES})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    big.append(f"{module}.{node.name}: {n} lines (max {MAX_FUNCTION_LINES})")
+    assert not big, "\n".join(big)
+
+
+def test_every_package_says_what_it_owns() -> None:
+    for init in ROOT.rglob("__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc) > 40, (
+            f"{init.relative_to(ROOT)} needs a docstring: what it owns and may import"
+        )
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from ..runtime.reducer import X", {"distcompile.runtime.reducer"}),
+        ("from .. import _torch_compat as compat", {"distcompile._torch_compat"}),
+        ("from .plan import GraphCosts", {"distcompile.planning.plan"}),
+        ("if TYPE_CHECKING:\n    from ..telemetry.sink import T", set()),
+        ("def f():\n    from ..telemetry import sink", {"distcompile.telemetry"}),
+        ("import distcompile.models", {"distcompile.models"}),
+    ],
+)
+def test_import_reader(source: str, expected: set[str]) -> None:
+    # The reader itself, on code as if in distcompile/planning/costs.py.
+    assert _imports_in(source, "distcompile.planning.costs", "distcompile.planning") == expected
