@@ -10,7 +10,7 @@ to benchmarks/results/. See distcompile/tools/bench/ for what is measured and ho
 
 import sys
 
-from distcompile.tools.bench.worker import main
+from distcompile.tools.bench.parent import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["bench"]:
-        from .bench.worker import main as bench_main
+        from .bench.parent import main as bench_main
 
         return bench_main(argv[1:])
     args = parser.parse_args(argv)

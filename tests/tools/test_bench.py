@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from distcompile.tools.bench.worker import VARIANTS
+from distcompile.tools.bench.variants import VARIANTS
 
 ROOT = Path(__file__).resolve().parents[2]
 

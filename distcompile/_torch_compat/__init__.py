@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ._errors import UnsupportedTorchError
+from .._errors import UnsupportedTorchError
 
 __all__ = [
     "TESTED_RANGE",
