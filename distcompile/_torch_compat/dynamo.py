@@ -1,0 +1,215 @@
+"""TorchDynamo and Inductor: compiling a module, backends, configuration, counters."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import fx
+
+from .version import unsupported
+
+__all__ = [
+    "backend_failure_cause",
+    "compile_cache_hits",
+    "compile_module",
+    "compiled_autograd",
+    "graph_break_parts",
+    "inductor_cache_dir",
+    "inductor_compiler",
+    "inductor_fallback_random",
+    "inductor_keeps_output_strides",
+    "is_compiled_module",
+    "lookup_backend",
+    "set_optimize_ddp",
+]
+
+
+# -- TorchDynamo: compiling, backends, counters --------------------------------------------
+def compile_module(
+    module: torch.nn.Module,
+    *,
+    backend: Callable,
+    fullgraph: bool,
+    dynamic: bool | None,
+    on_guard_failure: Callable[[str], None],
+) -> torch.nn.Module:
+    """``torch.compile(module, backend=...)`` that also reports every failed guard of a recompile.
+
+    ``on_guard_failure`` receives each cache entry's guard failure (``"0/1: ..."``) when
+    TorchDynamo looks for a reason to recompile, in TorchDynamo's order; entries compiled
+    by other ``compile_module`` calls report to their own callback. ``torch.compile`` has
+    no such hook; ``torch._dynamo.optimize(guard_fail_fn=...)`` is what it is built on.
+    Checked: 2.11, 2.13, 2.15.
+
+    Example:
+        >>> m = compile_module(torch.nn.Linear(2, 2), backend="eager", fullgraph=False,
+        ...                    dynamic=None, on_guard_failure=print)
+        >>> type(m).__name__
+        'OptimizedModule'
+    """
+    import torch._dynamo
+
+    def guard_failed(failure: Any) -> None:
+        on_guard_failure(str(getattr(failure, "reason", failure)))
+
+    try:
+        ctx = torch._dynamo.optimize(backend, nopython=fullgraph, dynamic=dynamic, guard_fail_fn=guard_failed)
+    except TypeError as exc:
+        raise unsupported("torch._dynamo.optimize(guard_fail_fn=...)", exc) from exc
+    return ctx(module)
+
+
+def is_compiled_module(module: object) -> bool:
+    """Whether ``module`` is already the result of ``torch.compile``. Checked: 2.11, 2.13, 2.15.
+
+    Example:
+        >>> is_compiled_module(torch.nn.Linear(1, 1))
+        False
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule)
+
+
+def lookup_backend(name: str) -> Callable:
+    """The registered TorchDynamo backend called ``name`` (``eager``, ``aot_eager``). Checked: 2.11-2.15.
+
+    Example:
+        >>> callable(lookup_backend("aot_eager"))
+        True
+    """
+    from torch._dynamo import lookup_backend as lookup
+
+    return lookup(name)
+
+
+def inductor_compiler(*, mode: str | None, dynamic: bool | None, cudagraphs: bool) -> Callable:
+    """Inductor's compile function with ``mode``'s options and CUDA graphs as asked.
+
+    Checked: 2.11, 2.13, 2.15 (``list_mode_options``, ``compile_fx(config_patches=)``).
+
+    Example:
+        >>> callable(inductor_compiler(mode=None, dynamic=None, cudagraphs=False))
+        True
+    """
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = dict(list_mode_options(mode, dynamic)) if mode else {}
+    # The mode presets may switch CUDA graphs on (reduce-overhead); our option decides.
+    patches["triton.cudagraphs"] = cudagraphs
+    return functools.partial(compile_fx, config_patches=patches)
+
+
+def inductor_fallback_random() -> contextlib.AbstractContextManager:
+    """A context in which Inductor compiles random ops with eager's generator (same draws).
+
+    Checked: 2.11, 2.13, 2.15 (``torch._inductor.config.fallback_random``).
+
+    Example:
+        >>> with inductor_fallback_random():
+        ...     pass
+    """
+    from torch._inductor import config
+
+    return config.patch(fallback_random=True)
+
+
+def inductor_keeps_output_strides() -> bool:
+    """Inductor's ``keep_output_stride`` setting (outputs keep eager strides). Checked: 2.11-2.15.
+
+    Example:
+        >>> inductor_keeps_output_strides()
+        True
+    """
+    from torch._inductor import config
+
+    return bool(getattr(config, "keep_output_stride", True))
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's on-disk cache directory. Checked: 2.11, 2.13, 2.15.
+
+    Example:
+        >>> isinstance(inductor_cache_dir(), str)
+        True
+    """
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
+def compile_cache_hits() -> int:
+    """FX-graph plus AOTAutograd cache hits so far in this process. Checked: 2.11-2.15.
+
+    Example:
+        >>> compile_cache_hits() >= 0
+        True
+    """
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"].get("fxgraph_cache_hit", 0) + counters["aot_autograd"].get(
+        "autograd_cache_hit", 0
+    )
+
+
+def backend_failure_cause(exc: BaseException) -> BaseException | None:
+    """The exception a backend raised, if ``exc`` is TorchDynamo's wrapper around it.
+
+    Checked: 2.11, 2.13, 2.15 (``BackendCompilerFailed.inner_exception``).
+
+    Example:
+        >>> backend_failure_cause(ValueError("x")) is None
+        True
+    """
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    if isinstance(exc, BackendCompilerFailed):
+        return getattr(exc, "inner_exception", None) or exc.__cause__
+    return None
+
+
+def graph_break_parts(gm: fx.GraphModule) -> tuple[str, list] | None:
+    """TorchDynamo's (reason, user stack) for a graph that ended at a graph break, else ``None``.
+
+    Checked: 2.11, 2.13, 2.15 (``GraphModule.compile_subgraph_reason``).
+
+    Example:
+        >>> graph_break_parts(fx.symbolic_trace(torch.nn.Linear(1, 1))) is None
+        True
+    """
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    return str(reason.reason), list(getattr(reason, "user_stack", None) or [])
+
+
+@contextlib.contextmanager
+def set_optimize_ddp(mode: bool | str) -> Iterator[None]:
+    """Set ``torch._dynamo.config.optimize_ddp`` (PyTorch's DDPOptimizer switch) within the block.
+
+    Only the benchmark uses it, to build PyTorch's own variants. Checked: 2.11-2.15.
+
+    Example:
+        >>> with set_optimize_ddp(True):
+        ...     pass
+    """
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(optimize_ddp=mode):
+        yield
+
+
+def compiled_autograd() -> contextlib.AbstractContextManager:
+    """A context that runs backward through compiled autograd. Checked: 2.11-2.15.
+
+    Example:
+        >>> ctx = compiled_autograd()
+    """
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(compiled_autograd=True)

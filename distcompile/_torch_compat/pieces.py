@@ -1,0 +1,169 @@
+"""Compiling split pieces the way DDPOptimizer does: names, metadata, fake tensors, AOTAutograd."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import fx
+
+from .version import unsupported
+
+__all__ = [
+    "aot_autograd_counts",
+    "copy_dynamo_metadata",
+    "fake_mode_of",
+    "fake_module",
+    "piece_compiler_base",
+    "piece_names",
+    "record_piece_metadata",
+    "saved_tensors_hooks_disabled",
+    "to_fake",
+]
+
+
+# -- compiling split pieces the way DDPOptimizer does ---------------------------------------
+def piece_names(split_gm: fx.GraphModule) -> list[str]:
+    """Names of the pieces ``split_module`` made, in partition order.
+
+    ``split_module`` records them in ``meta["partition_names"]`` from torch 2.13 on; older
+    releases do not, and their pieces are the ``submod_<partition>`` children.
+    Checked: 2.11 (children), 2.13, 2.15 (meta).
+
+    Example:
+        >>> from torch.fx.passes.split_module import split_module
+        >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Tanh()))
+        >>> parts = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+        >>> piece_names(split_module(gm, None, lambda n: parts[n.name]))
+        ['submod_1', 'submod_2']
+    """
+    names = split_gm.meta.get("partition_names")
+    if names is not None:
+        return list(names)
+    children = [n for n, _ in split_gm.named_children() if n.startswith("submod_")]
+    return sorted(children, key=lambda n: int(n.rsplit("_", 1)[1]))
+
+
+def copy_dynamo_metadata(gm: fx.GraphModule, piece: fx.GraphModule) -> None:
+    """Give ``piece`` (split from ``gm``) the TorchDynamo metadata AOTAutograd and Inductor read.
+
+    That is the graph's ``meta``, its parameter-name-to-source map and each placeholder's
+    source (for parameter detection and guards). Checked: 2.11, 2.13, 2.15.
+
+    Example:
+        >>> # copy_dynamo_metadata(dynamo_gm, split_gm.submod_0)
+    """
+    sources = {n.name: getattr(n, "_dynamo_source", None) for n in gm.graph.find_nodes(op="placeholder")}
+    piece.meta = gm.meta
+    if hasattr(gm, "_param_name_to_source"):
+        piece._param_name_to_source = gm._param_name_to_source
+    for node in piece.graph.find_nodes(op="placeholder"):
+        node._dynamo_source = sources.get(node.name)
+
+
+def piece_compiler_base() -> type:
+    """PyTorch's DDPOptimizer interpreter (``SubmodCompiler``): compiles each piece of a split graph.
+
+    Its constructor is ``(split_gm, compiler, fake_mode)``; ``run_node``,
+    ``compile_submod(module, args, kwargs)`` and ``fake_mode`` are used.
+    Checked: 2.11, 2.13, 2.15.
+
+    Example:
+        >>> piece_compiler_base().__name__
+        'SubmodCompiler'
+    """
+    try:
+        from torch._dynamo.backends.distributed import SubmodCompiler
+    except ImportError as exc:
+        raise unsupported("DDPOptimizer's SubmodCompiler", exc) from exc
+    return SubmodCompiler
+
+
+def fake_mode_of(example_inputs: list) -> Any:
+    """The fake-tensor mode TorchDynamo traced ``example_inputs`` under (a new one if none).
+
+    Checked: 2.11, 2.13, 2.15.
+
+    Example:
+        >>> type(fake_mode_of([torch.zeros(1)])).__name__
+        'FakeTensorMode'
+    """
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def to_fake(value: object, fake_mode: Any) -> object:
+    """``value`` as a fake tensor of ``fake_mode`` (non-tensors and fakes unchanged). Checked: 2.11-2.15.
+
+    Example:
+        >>> from torch._subclasses.fake_tensor import FakeTensorMode
+        >>> type(to_fake(torch.zeros(1), FakeTensorMode())).__name__
+        'FakeTensor'
+    """
+    from torch._dynamo.utils import to_fake_tensor
+    from torch._subclasses import FakeTensor
+
+    if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+        return to_fake_tensor(value, fake_mode)
+    return value
+
+
+def fake_module(module: torch.nn.Module, fake_mode: Any) -> torch.nn.Module:
+    """A copy of ``module`` whose parameters and buffers are fake tensors. Checked: 2.11-2.15.
+
+    Example:
+        >>> from torch._subclasses.fake_tensor import FakeTensorMode
+        >>> type(fake_module(torch.nn.Linear(1, 1), FakeTensorMode()).weight).__name__
+        'FakeTensor'
+    """
+    from torch._dynamo.utils import deepcopy_to_fake_tensor
+
+    return deepcopy_to_fake_tensor(module, fake_mode)
+
+
+def aot_autograd_counts() -> tuple[int, int]:
+    """(AOTAutograd compiles, AOTAutograd cache hits) so far in this process. Checked: 2.11-2.15.
+
+    Example:
+        >>> len(aot_autograd_counts())
+        2
+    """
+    from torch._dynamo.utils import counters
+
+    aot = counters["aot_autograd"]
+    return aot["total"], aot["autograd_cache_hit"]
+
+
+def record_piece_metadata() -> None:
+    """Append the piece just compiled to DDPOptimizer's per-piece AOTAutograd metadata.
+
+    Inductor compiles a piece's backward lazily, in reverse piece order, and reads that
+    piece's metadata from this list (see ``SubmodCompiler.run_node``); a piece compiled
+    outside ``SubmodCompiler.run_node`` must add its entry itself. Checked: 2.11-2.15.
+
+    Example:
+        >>> record_piece_metadata()  # outside a compile: nothing to record
+    """
+    tracing = torch._guards.TracingContext.try_get()
+    if tracing is None:
+        return
+    ctx = getattr(tracing, "ddp_optimizer_ctx", None)
+    if ctx is None:
+        raise unsupported("the tracing context's ddp_optimizer_ctx", AttributeError("ddp_optimizer_ctx"))
+    ctx.curr_bucket += 1
+    ctx.metadata_per_bucket.append(tracing.fw_metadata)
+
+
+def saved_tensors_hooks_disabled() -> contextlib.AbstractContextManager:
+    """The context TorchDynamo compiles under: saved-tensors hooks off. Checked: 2.11-2.15.
+
+    Example:
+        >>> with saved_tensors_hooks_disabled():
+        ...     pass
+    """
+    from torch._dynamo.utils import _disable_saved_tensors_hooks_during_tracing
+
+    return _disable_saved_tensors_hooks_during_tracing()

@@ -1,0 +1,136 @@
+"""One rank of the benchmark: build every variant, time them in alternating rounds, write JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import distcompile
+
+from .floor import measure_floor
+from .variants import VARIANTS, Variant, build
+from .workload import Workload
+
+__all__ = ["run_worker"]
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_worker(args: argparse.Namespace, names: list[str]) -> None:
+    """Everything one rank does; rank 0 writes the results to ``args.out``.
+
+    Example:
+        >>> # run_worker(args, ["ddp", "dc_inductor"])   # in each of the two rank processes
+    """
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank, world_size=2
+    )
+    w = Workload.for_rank(args)
+    # The warm-cache pass only times first steps and peak memory; it needs no floor.
+    floor, compute_step = ({}, 0.0) if args.first_step_only else measure_floor(w)
+    results: dict[str, dict] = {}
+    variants = _build_all(w, names, results)
+    if not args.first_step_only:
+        _run_rounds(w, variants, results)
+        _summarize(variants, results, compute_step)
+    if w.rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(
+                {"meta": _meta(w), "floor": floor, "variants": {n: results[n] for n in names}}, f, indent=2
+            )
+    dist.destroy_process_group()
+
+
+def _build_all(w: Workload, names: list[str], results: dict[str, dict]) -> list[Variant]:
+    variants = []
+    # compiled_autograd last: DDP built with optimize_ddp="python_reducer" sets Inductor's
+    # global _fuse_ddp_communication for the rest of the process, which changes the
+    # compile-cache key of every later Inductor compile (measured: the distcompile variants
+    # built after it missed the cache in their warm-start process).
+    for name in sorted(names, key=lambda n: n == "compiled_autograd"):
+        w.say(f"building and compiling {name} ({VARIANTS[name]}) ...")
+        rss0 = _rss_mb()
+        try:
+            v = build(w, name)
+            first = v.step(w)
+            for _ in range(w.args.warmup):
+                v.step(w)
+        except Exception as exc:  # noqa: BLE001 - the report says which variant failed and why
+            results[name] = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
+            w.say(f"{name} failed: {results[name]['error']}")
+            continue
+        v.warm = True
+        results[name] = {"first_step_s": first, "rss_mb": _rss_mb() - rss0}
+        if w.args.first_step_only:  # this process built only this variant: its peak is the variant's
+            peak = torch.tensor([_rss_mb()], dtype=torch.float64)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            results[name]["peak_rss_mb"] = peak.item()
+        if name.startswith("dc_"):
+            graphs = v.model.graphs
+            results[name]["plan"] = {
+                "planned_by": [g.planned_by for g in graphs],
+                "buckets_mb": [round(b.nbytes / 1e6, 2) for g in graphs for b in g.plan.buckets],
+                "segments": sum(len(g.plan.segments) for g in graphs),
+                "cache_hits": sum(g.cache_hits for g in graphs),
+            }
+        w.say(f"{name}: first step {first:.2f} s")
+        variants.append(v)
+    return variants
+
+
+def _run_rounds(w: Workload, variants: list[Variant], results: dict[str, dict]) -> None:
+    # Every variant compiled during warm-up: a compile now would be timed (and would read
+    # whatever optimize_ddp is in force), so TorchDynamo refuses to recompile.
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for r in range(w.args.rounds):
+            for v in variants:
+                for _ in range(w.args.block):
+                    v.times.append(v.step(w))
+                    if v.name.startswith("dc_"):
+                        s = v.model.last_step
+                        results[v.name].setdefault("_exposed", []).append(s.exposed_comm_ms)
+                        results[v.name].setdefault("_overlap", []).append(s.overlap_pct)
+            w.say(f"round {r + 1}/{w.args.rounds} done")
+
+
+def _summarize(variants: list[Variant], results: dict[str, dict], compute_step: float) -> None:
+    for v in variants:
+        # The slower rank gates every step; take each step's max over ranks.
+        t = torch.tensor(v.times, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        ms = [x * 1e3 for x in t.tolist()]
+        r = results[v.name]
+        r.update(median_ms=statistics.median(ms), min_ms=min(ms), max_ms=max(ms), steps=len(ms))
+        if v.name.startswith("dc_"):
+            r["exposed_ms"] = statistics.median(r.pop("_exposed"))
+            r["overlap_pct"] = statistics.median(r.pop("_overlap"))
+        else:
+            r["exposed_ms"] = max(0.0, r["median_ms"] - compute_step)
+
+
+def _meta(w: Workload) -> dict:
+    a = w.args
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "distcompile": distcompile.__version__,
+        "world_size": w.world,
+        "rounds": a.rounds,
+        "block": a.block,
+        "warmup": a.warmup,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "model": f"GPT {w.nparams / 1e6:.2f}M parameters ({w.cfg}), batch {w.batch}; DDP bucket_cap_mb "
+        + (f"{a.bucket_cap_mb:g}" if a.bucket_cap_mb else "default (25 MiB, first bucket 1 MiB)"),
+    }
