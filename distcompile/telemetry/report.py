@@ -7,6 +7,8 @@ import os
 import re
 import statistics
 
+from .sink import require_extra
+
 __all__ = ["summarize", "find_runs"]
 
 
@@ -24,6 +26,7 @@ def find_runs(logdir: str) -> list[str]:
 
 
 def _accumulator(run: str):
+    require_extra("distcompile report reads TensorBoard files")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(run, size_guidance={"scalars": 0, "images": 1, "tensors": 0})

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from ..runtime.reducer import StepStats
 
-__all__ = ["Telemetry"]
+__all__ = ["Telemetry", "require_extra"]
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,10 @@ class Telemetry:
         self.trace_dir = trace_dir
         os.makedirs(self.trace_dir, exist_ok=True)
         self.writer = None
+        # Every rank checks, so no rank fails alone (the others would wait for it).
+        require_extra("wrap(..., logdir=...) writes TensorBoard files (or drop logdir=)")
         if run_dir is not None:
-            SummaryWriter = _summary_writer_class()
+            from torch.utils.tensorboard import SummaryWriter
 
             # A deep queue: with the default (10 events) add_scalar blocks on the writer thread.
             self.writer = SummaryWriter(log_dir=run_dir, max_queue=1000, flush_secs=10)
@@ -210,14 +212,17 @@ class Telemetry:
             self.writer = None
 
 
-def _summary_writer_class() -> type:
+def require_extra(purpose: str) -> None:
+    """Raise a ``ConfigError`` naming the ``telemetry`` extra if TensorBoard or matplotlib is missing.
+
+    Example:
+        >>> require_extra("wrap(..., logdir=...) writes TensorBoard files")  # both installed: no error
+    """
     try:
-        import matplotlib  # noqa: F401 - the Gantt figures need it too
-        from torch.utils.tensorboard import SummaryWriter
+        import matplotlib  # noqa: F401 - the Gantt figures
+        import tensorboard  # noqa: F401
     except ImportError as exc:
         raise ConfigError(
-            f"wrap(..., logdir=...) writes TensorBoard files, but {exc.name or 'a dependency'} is not "
-            "installed. Install the telemetry extra: pip install 'distcompile[telemetry]' (TensorBoard "
-            "and matplotlib), or drop logdir=."
+            f"{purpose}, but {exc.name or 'a dependency'} is not installed. Install the telemetry "
+            "extra: pip install 'distcompile[telemetry]' (TensorBoard and matplotlib)."
         ) from exc
-    return SummaryWriter

@@ -72,3 +72,76 @@ def test_bf16_compression_scales_after_the_cast(single_rank_group) -> None:
         assert p.grad.dtype == torch.float32
         assert torch.equal(p.grad, p.grad.to(torch.bfloat16).float())
     reducer.close()
+
+
+class _Launches:
+    """A StepObserver that keeps what the reducer reports (the real protocol, no telemetry)."""
+
+    def __init__(self) -> None:
+        self.launched: list[tuple[int, int]] = []
+        self.ended: list[int] = []
+
+    def begin_step(self) -> None:
+        self.launched.clear()
+
+    def bucket_launched(self, index: int, nbytes: int, nparams: int, work: object) -> None:
+        self.launched.append((index, nparams))
+
+    def end_step(self, stats: object) -> dict[str, float]:
+        self.ended.append(stats.step)
+        return {"comm_ms": 1.5}
+
+
+def _names(buckets: list) -> list[list[str]]:
+    return [b.names for b in buckets]
+
+
+def test_schedule_launches_graphs_in_reverse_first_use_wins_then_the_rest(single_rank_group) -> None:
+    model = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2), "c": nn.Linear(2, 2)})
+    r = BucketReducer(dict(model.named_parameters()), group=None, compression=None, grad_as_view=False)
+    r.add_graph(0, [["a.weight", "a.bias"]])
+    r.add_graph(1, [["b.weight"], ["b.bias", "a.weight"]])  # a.weight: graph 0 used it first
+    order, _ = r._schedule((0, 1))
+    assert _names(order) == [["b.weight"], ["b.bias"], ["a.weight", "a.bias"], ["c.bias", "c.weight"]]
+    assert [b.index for b in order] == [0, 1, 2, 3]
+    again, _ = r._schedule((0, 1))
+    assert again is order  # one schedule per set of graphs, reused
+    other, _ = r._schedule((1, 0))  # graph 1 ran first: it owns a.weight now
+    assert _names(other) == [["a.bias"], ["b.weight"], ["b.bias", "a.weight"], ["c.bias", "c.weight"]]
+
+
+def test_tail_only_compression_compresses_the_last_graph_bucket_and_the_rest(single_rank_group) -> None:
+    model = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2), "c": nn.Linear(2, 2)})
+    r = BucketReducer(
+        dict(model.named_parameters()),
+        group=None,
+        compression="bf16",
+        grad_as_view=False,
+        compress_tail_only=True,
+    )
+    r.add_graph(0, [["b.weight", "b.bias"], ["a.weight", "a.bias"]])
+    order, _ = r._schedule((0,))
+    # b: final early, full precision; a (first forward segment) and the trailing c: bf16.
+    assert [b.wire.dtype for b in order] == [torch.float32, torch.bfloat16, torch.bfloat16]
+    everywhere = BucketReducer(
+        dict(model.named_parameters()), group=None, compression="bf16", grad_as_view=False
+    )
+    everywhere.add_graph(0, [["b.weight", "b.bias"], ["a.weight", "a.bias"]])
+    assert {b.wire.dtype for b in everywhere._schedule((0,))[0]} == {torch.bfloat16}
+
+
+def test_used_flags_and_the_observer_see_every_bucket(single_rank_group) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    seen = _Launches()
+    r = BucketReducer(
+        dict(model.named_parameters()), group=None, compression=None, grad_as_view=False, observer=seen
+    )
+    r.add_graph(0, [["1.weight", "1.bias"], ["0.weight", "0.bias"]])
+    _step(model, r, torch.randn(3, 4))
+    assert seen.launched == [(0, 2), (1, 2)] and seen.ended == [0]
+    assert r.last_step.comm_ms == 1.5  # the observer's derived figures land in StepStats
+    order, _ = r._schedule((0,))
+    assert [b.wire[b.numel :].tolist() for b in order] == [[1.0, 1.0], [1.0, 1.0]]
+    _step(model, r, torch.randn(3, 4), use_b=False)  # layer 1 unused: its flags are 0
+    assert [b.wire[b.numel :].tolist() for b in order] == [[0.0, 0.0], [1.0, 1.0]]
+    assert seen.ended == [0, 1]

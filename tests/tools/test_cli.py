@@ -79,7 +79,9 @@ def test_cli_rejects_bad_arguments() -> None:
 
 
 def test_explain_cli() -> None:
-    proc = run("-m", "distcompile.tools.cli", "explain", "--n-layer", "2", "--bucket-cap-mb", "0.2", timeout=300)
+    proc = run(
+        "-m", "distcompile.tools.cli", "explain", "--n-layer", "2", "--bucket-cap-mb", "0.2", timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     assert "1 graph(s), 0 graph break(s)" in proc.stdout and "bucket 0:" in proc.stdout, proc.stdout
     assert "wte.weight x2" in proc.stdout
