@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from tests import workers
-from tests.runtime.test_parity import TOL, _check
 from tests.harness import run_ranks
+from tests.runtime.test_parity import TOL, _check
 
 CASES = [
     "compiler_disable",

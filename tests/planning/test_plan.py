@@ -7,8 +7,8 @@ import torch
 from torch import fx, nn
 
 from distcompile import NodeInfo, plan_graph
-from distcompile.capture.graph import read_graph
 from distcompile.capture.flops import node_flops
+from distcompile.capture.graph import read_graph
 from distcompile.planning.costs import CostModel
 from distcompile.planning.plan import GraphCosts
 from tests.models import gpt, mlp_seq
