@@ -27,9 +27,10 @@ __all__ = [
 def piece_names(split_gm: fx.GraphModule) -> list[str]:
     """Names of the pieces ``split_module`` made, in partition order.
 
-    ``split_module`` records them in ``meta["partition_names"]`` from torch 2.13 on; older
-    releases do not, and their pieces are the ``submod_<partition>`` children.
-    Checked: 2.11 (children), 2.13, 2.15 (meta).
+    ``split_module`` records them in ``meta["partition_names"]`` from torch 2.13 on (as a
+    set: its order follows string hashing, so it is sorted here); older releases do not,
+    and their pieces are the ``submod_<partition>`` children. Checked: 2.11 (children),
+    2.13, 2.15 (meta).
 
     Example:
         >>> from torch.fx.passes.split_module import split_module
@@ -39,10 +40,9 @@ def piece_names(split_gm: fx.GraphModule) -> list[str]:
         ['submod_1', 'submod_2']
     """
     names = split_gm.meta.get("partition_names")
-    if names is not None:
-        return list(names)
-    children = [n for n, _ in split_gm.named_children() if n.startswith("submod_")]
-    return sorted(children, key=lambda n: int(n.rsplit("_", 1)[1]))
+    if names is None:
+        names = [n for n, _ in split_gm.named_children() if n.startswith("submod_")]
+    return sorted(names, key=lambda n: int(n.rsplit("_", 1)[1]))
 
 
 def copy_dynamo_metadata(gm: fx.GraphModule, piece: fx.GraphModule) -> None:

@@ -15,6 +15,7 @@ def graph_break_reason(gm: fx.GraphModule) -> str | None:
     """TorchDynamo's reason for ending ``gm`` at a graph break, with the user's code line.
 
     Example:
+        >>> import torch
         >>> graph_break_reason(fx.symbolic_trace(torch.nn.Linear(1, 1))) is None
         True
     """
