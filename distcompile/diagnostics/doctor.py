@@ -30,6 +30,8 @@ from ..runtime.checkpoint import rng_state, set_rng_state
 __all__ = ["doctor", "DoctorReport", "StageResult"]
 
 log = logging.getLogger(__name__)
+#: Store keys of each doctor run: a per-process counter, so every rank must call doctor the
+#: same number of times, in the same order (it is a collective).
 _doctor_ids = itertools.count()
 
 

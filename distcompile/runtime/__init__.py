@@ -3,8 +3,7 @@
 Owns the module users train (``module.py``), adopting the DDP model's options
 (``ddp.py``), the bucketed all-reduce (``reducer.py``, ``bucket.py``), collectives with
 public APIs (``collectives.py``), link and compute measurement for ``bucket_cap_mb="auto"``
-(``measure.py``), what differs between devices (``devices.py``: clocks on CPU, CUDA events
-on GPU) and checkpoints (``checkpoint.py``). May import ``compile``, ``capture``,
+(``measure.py``) and checkpoints (``checkpoint.py``). May import ``compile``, ``capture``,
 ``planning`` and the leaves. It never imports ``telemetry`` (TensorBoard, matplotlib):
 telemetry observes it through ``reducer.StepObserver``.
 """
