@@ -14,6 +14,7 @@ private torch name. To support a new torch release: run ``.ci/torch-matrix X.Y.Z
 what fails here, extend ``TESTED_RANGE`` and the table in ``docs/torch-versions.md``.
 """
 
+from . import dist, dynamo, pieces, version
 from .dist import (
     ddp_comm_hook_names,
     ddp_ignored_names,
@@ -51,38 +52,5 @@ from .pieces import (
 )
 from .version import TESTED_RANGE, torch_version, unsupported, warn_if_untested
 
-__all__ = [
-    "TESTED_RANGE",
-    "aot_autograd_counts",
-    "backend_failure_cause",
-    "compile_cache_hits",
-    "compile_module",
-    "compiled_autograd",
-    "copy_dynamo_metadata",
-    "ddp_comm_hook_names",
-    "ddp_ignored_names",
-    "ddp_uses_python_reducer",
-    "default_store",
-    "fake_mode_of",
-    "fake_module",
-    "graph_break_parts",
-    "inductor_cache_dir",
-    "inductor_compiler",
-    "inductor_fallback_random",
-    "inductor_keeps_output_strides",
-    "is_compiled_module",
-    "lookup_backend",
-    "piece_compiler_base",
-    "piece_names",
-    "queue_engine_callback",
-    "record_piece_metadata",
-    "saved_tensors_hooks_disabled",
-    "set_optimize_ddp",
-    "to_fake",
-    "torch_version",
-    "tree_leaves",
-    "tree_map_only",
-    "unsupported",
-    "warn_if_untested",
-    "write_summary",
-]
+# Every topic module's names, re-exported above: one list per topic, kept there.
+__all__ = [*dist.__all__, *dynamo.__all__, *pieces.__all__, *version.__all__]
