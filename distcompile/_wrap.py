@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -11,26 +12,30 @@ from . import _torch_compat as compat
 from ._config import Config
 from ._errors import UnsupportedModelError
 from ._log import enable_progress
-from .runtime.ddp import adopt
+from .runtime.ddp import Settings, adopt
 from .runtime.module import DistCompiledModule
 from .telemetry.sink import Telemetry
 
 __all__ = ["wrap"]
 
 
-def _make_telemetry(config: Config, rank: int, first_rank: int) -> Telemetry | None:
+def _make_telemetry(config: Config, inner: nn.Module, settings: Settings) -> Telemetry | None:
     if not config.logdir:
         return None
+    rank = dist.get_rank()
     if config.telemetry_all_ranks:
         run_dir: str | None = os.path.join(config.logdir, f"rank{rank}")
     else:
-        run_dir = config.logdir if rank == first_rank else None
+        run_dir = config.logdir if rank == settings.ranks[0] else None
+    device = settings.device or next(inner.parameters(), torch.empty(0)).device
     return Telemetry(
         run_dir=run_dir,
         trace_dir=os.path.join(config.logdir, "traces"),
         rank=rank,
         trace_every=config.trace_every,
         figure_every=config.figure_every,
+        device=device,
+        serial_comm=dist.get_backend(settings.group) == "nccl",
     )
 
 
@@ -65,5 +70,5 @@ def wrap(model: nn.Module, config: Config | None = None, **options: object) -> D
         )
     inner, settings = adopt(model, cfg)
     enable_progress(rank=dist.get_rank(), first_rank=dist.get_rank() == settings.ranks[0])
-    telemetry = _make_telemetry(cfg, dist.get_rank(), settings.ranks[0])
+    telemetry = _make_telemetry(cfg, inner, settings)
     return DistCompiledModule(inner, config=cfg, settings=settings, source=model, observer=telemetry)

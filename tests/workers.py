@@ -206,6 +206,7 @@ def telemetry_run(rank: int, world: int, logdir: str, all_ranks: bool) -> dict:
                 "overlap_pct": s.overlap_pct,
                 "exposed_comm_ms": s.exposed_comm_ms,
                 "buckets": s.buckets,
+                "timed_step": s.timed_step,
             }
         )
     model.close()

@@ -71,10 +71,16 @@ class StepStats:
         fwd_bwd_ms: From the first forward of the step to the end of ``backward()``.
         buckets: Number of buckets all-reduced.
         bytes: Bytes all-reduced (payload plus flags).
-        exposed_comm_ms: Time ``backward()`` spent waiting for communication at its end.
-        launch_ms: For each bucket, launch time after the first gradient became ready.
+        exposed_comm_ms: Time ``backward()`` spent waiting for communication at its end
+            (host time). On CUDA with NCCL the host does not wait, so without telemetry
+            this is near 0; with ``logdir=`` it is the GPU time of communication that no
+            computation hid, in step ``timed_step``.
+        launch_ms: For each bucket, host time of its launch after the first gradient was ready.
         overlap_pct: Share of all-reduce time that overlapped computation (from telemetry).
         comm_ms: Time any all-reduce was in flight (from telemetry).
+        timed_step: The step ``overlap_pct`` and ``comm_ms`` describe: this one on CPU; on
+            CUDA the newest step the GPU has finished (usually the one before), since
+            reading GPU times sooner would stop the host; -1 without telemetry.
     """
 
     step: int = -1
@@ -85,6 +91,7 @@ class StepStats:
     launch_ms: list[float] = field(default_factory=list)
     overlap_pct: float = 0.0
     comm_ms: float = 0.0
+    timed_step: int = -1
 
 
 class StepObserver(Protocol):

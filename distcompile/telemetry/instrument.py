@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -11,7 +10,7 @@ import torch
 from torch import fx
 
 from .. import _torch_compat as compat
-from .timeline import Span
+from .clock import PendingSpan
 
 if TYPE_CHECKING:
     from .sink import Telemetry
@@ -22,29 +21,32 @@ __all__ = ["instrument"]
 def _timed_call(fn: Callable, args: tuple, telemetry: Telemetry, label: str) -> object:
     if not telemetry.recording:
         return fn(*args)
-    t0 = time.perf_counter()
+    clock, timeline = telemetry.clock, telemetry.timeline
+    fwd = PendingSpan("compute", f"{label} fwd", clock.mark(), None)
     out = fn(*args)
-    timeline = telemetry.timeline
-    timeline.add(Span("compute", f"{label} fwd", t0, time.perf_counter()))
+    fwd.end = clock.mark()
+    timeline.add(fwd)
     node = next(
         (t.grad_fn for t in compat.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn),
         None,
     )
     if node is not None:
         # The piece's backward is one autograd node (under AOTAutograd); its pre- and
-        # post-hooks bracket the segment's backward without touching any tensor.
-        started: list[float] = []
-        node.register_prehook(lambda grad_outputs: started.append(time.perf_counter()))
-        node.register_hook(
-            lambda grad_inputs, grad_outputs: timeline.add(
-                Span(
-                    "compute",
-                    f"{label} bwd",
-                    started[0] if started else time.perf_counter(),
-                    time.perf_counter(),
-                )
-            )
-        )
+        # post-hooks bracket the segment's backward without touching any tensor. The
+        # engine runs them on the node's stream, so CUDA events there time the GPU work.
+        bwd = PendingSpan("compute", f"{label} bwd", None, None)
+
+        def started(grad_outputs: object) -> None:
+            bwd.start = clock.mark()
+
+        def finished(grad_inputs: object, grad_outputs: object) -> None:
+            bwd.end = clock.mark()
+            if bwd.start is None:
+                bwd.start = bwd.end
+            timeline.add(bwd)
+
+        node.register_prehook(started)
+        node.register_hook(finished)
     return out
 
 

@@ -13,11 +13,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
 from .. import _torch_compat as compat
 from .._errors import ConfigError
+from .clock import PendingSpan, PendingStep, PendingSteps, StepTimeline, clock_for
 from .figure import gantt_figure
 from .instrument import instrument
-from .timeline import Span, StepTimeline, chrome_trace, overlap_pct, union
+from .timeline import Span, chrome_trace, overlap_pct, union
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -38,9 +41,23 @@ class Telemetry:
     """
 
     def __init__(
-        self, *, run_dir: str | None, trace_dir: str, rank: int, trace_every: int, figure_every: int
+        self,
+        *,
+        run_dir: str | None,
+        trace_dir: str,
+        rank: int,
+        trace_every: int,
+        figure_every: int,
+        device: torch.device | None = None,
+        serial_comm: bool = False,
     ) -> None:
         self.rank = rank
+        # CPU: host clocks, each step written as it ends. CUDA: events on the streams that
+        # run the work, each step written once the GPU has passed its last event.
+        self.clock = clock_for(device or torch.device("cpu"))
+        self.serial_comm = serial_comm
+        self.pending = PendingSteps(self.clock)
+        self._open: PendingStep | None = None
         self.trace_every = trace_every
         self.figure_every = figure_every
         self.timeline = StepTimeline()
@@ -60,6 +77,7 @@ class Telemetry:
         self.recompiles = 0
         self.graph_breaks: list[str] = []
         self.last_overlap_pct = 0.0
+        self._derived: dict[str, float] = {}
 
     # -- compile side (compile.backend.CompileObserver) ------------------------------------
     def instrument(self, compiled: Callable, graph_id: int) -> Callable:
@@ -115,63 +133,78 @@ class Telemetry:
         return self.timeline.open
 
     def begin_step(self) -> None:
-        self.timeline.begin(time.perf_counter())
+        host = time.perf_counter()
+        self._open = PendingStep(-1, host, self.clock.mark(), serial_comm=self.serial_comm)
+        self.timeline.begin()
         self._compiled_this_step = False
 
     def bucket_launched(self, index: int, nbytes: int, nparams: int, work: dist.Work) -> None:
-        start, timeline = time.perf_counter(), self.timeline
+        # Start: the gradients are in the bucket (on CUDA, the producing stream reached the
+        # launch). End: the future's callback; on CUDA it runs on a stream that waits for
+        # the all-reduce, so an event recorded there marks its end on the GPU.
+        clock, timeline = self.clock, self.timeline
+        span = PendingSpan("comm", f"bucket {index}", clock.mark(), None, lane=index)
+        span.args.update(bytes=nbytes, params=nparams)
 
         def done(fut: object) -> None:
-            # Runs on the communication thread when the all-reduce completes.
-            timeline.add(
-                Span(
-                    "comm",
-                    f"bucket {index}",
-                    start,
-                    time.perf_counter(),
-                    lane=index,
-                    args={"bytes": nbytes, "params": nparams},
-                )
-            )
+            span.end = clock.mark()
+            timeline.add(span)
 
         work.get_future().then(done)
 
-    def _wants_figure(self, step: int) -> bool:
+    def _wants_figure(self, step: int, compiled: bool) -> bool:
         # A step that compiled (step 0: capture and the lazy backward compile) would show
         # compilation, not training: the first picture is of the first step after warm-up,
         # then every figure_every steps from there. Compile time has its own scalars and
         # the trace's compile track.
-        if not self.figure_every or self._compiled_this_step:
+        if not self.figure_every or compiled:
             return False
         if self._first_warm_step is None:
             self._first_warm_step = step
         return (step - self._first_warm_step) % self.figure_every == 0
 
     def end_step(self, stats: StepStats) -> dict[str, float]:
-        origin = self.timeline.start
-        spans = self.timeline.finish()
-        spans.append(
-            Span(
-                "step",
-                f"step {stats.step}",
-                origin,
-                time.perf_counter(),
-                args={"overlap_pct": 0.0, "exposed_comm_ms": stats.exposed_comm_ms},
-            )
-        )
+        """Queue the step; write every queued step whose times can be read (on CPU: this one).
+
+        Returns the figures of the newest step written so far (``timed_step`` says which).
+        """
+        step = self._open
+        if step is None:
+            step = PendingStep(stats.step, time.perf_counter(), self.clock.mark())
+        step.step, step.end, step.spans = stats.step, self.clock.mark(), self.timeline.finish()
+        step.extra = (stats, self._compiled_this_step)
+        self._open = None
+        self.pending.push(step)
+        return self._write_ready(wait=False)
+
+    def _write_ready(self, *, wait: bool) -> dict[str, float]:
+        for step, spans in self.pending.ready(wait=wait):
+            stats, compiled = step.extra  # type: ignore[misc]
+            self._derived = self._write_step(stats, compiled, list(spans), step.host_origin)
+        return dict(self._derived)
+
+    def _write_step(self, stats: StepStats, compiled: bool, spans: list[Span], origin: float) -> dict:
         comm = [(s.start, s.end) for s in spans if s.track == "comm"]
         compute = [(s.start, s.end) for s in spans if s.track == "compute"]
         overlap = overlap_pct(comm, compute)
-        derived = {"overlap_pct": overlap, "comm_ms": sum(e - s for s, e in union(comm)) * 1e3}
+        comm_ms = sum(e - s for s, e in union(comm)) * 1e3
+        derived = {"overlap_pct": overlap, "comm_ms": comm_ms, "timed_step": stats.step}
+        if self.clock.lazy:
+            # The host never waits for an all-reduce here: exposed is GPU time, the
+            # communication that no computation hid.
+            derived["exposed_comm_ms"] = comm_ms * (1 - overlap / 100)
+        exposed = derived.get("exposed_comm_ms", stats.exposed_comm_ms)
         self.last_overlap_pct = overlap
-        spans[-1].args["overlap_pct"] = round(overlap, 2)
+        for s in spans:
+            if s.track == "step":
+                s.args.update(overlap_pct=round(overlap, 2), exposed_comm_ms=round(exposed, 3))
         w = self.writer
         if w is not None:
             values = {
                 "step/time_ms": stats.fwd_bwd_ms,
-                "step/exposed_comm_ms": stats.exposed_comm_ms,
-                "step/overlap_pct": derived["overlap_pct"],
-                "step/comm_ms": derived["comm_ms"],
+                "step/exposed_comm_ms": exposed,
+                "step/overlap_pct": overlap,
+                "step/comm_ms": comm_ms,
                 "comm/megabytes": stats.bytes / 2**20,
             }
             for s in spans:
@@ -179,23 +212,26 @@ class Telemetry:
                     values[f"comm/bucket_{s.lane}_ms"] = (s.end - s.start) * 1e3
             self._scalars(values, stats.step)
         if self.trace_every and stats.step % self.trace_every == 0:
-            all_spans = self._compile_spans + spans
-            self._compile_spans = []
-            first = min([origin, *(s.start for s in all_spans)])
-            path = os.path.join(self.trace_dir, f"trace_rank{self.rank}_step{stats.step}.json")
-            tmp = path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(chrome_trace(all_spans, rank=self.rank, step=stats.step, origin=first), f)
-            os.replace(tmp, path)  # readers never see a half-written trace
-        if w is not None and self._wants_figure(stats.step):
+            self._write_trace(spans, stats.step, origin)
+        if w is not None and self._wants_figure(stats.step, compiled):
             fig = gantt_figure(
                 spans,
                 title=f"rank {self.rank}, step {stats.step}: "
-                f"overlap {overlap:.0f}%, exposed comm {stats.exposed_comm_ms:.1f} ms",
+                f"overlap {overlap:.0f}%, exposed comm {exposed:.1f} ms",
                 origin=origin,
             )
             w.add_figure("timeline/step", fig, stats.step, close=True)
         return derived
+
+    def _write_trace(self, spans: list[Span], step: int, origin: float) -> None:
+        all_spans = self._compile_spans + spans
+        self._compile_spans = []
+        first = min([origin, *(s.start for s in all_spans)])
+        path = os.path.join(self.trace_dir, f"trace_rank{self.rank}_step{step}.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(chrome_trace(all_spans, rank=self.rank, step=step, origin=first), f)
+        os.replace(tmp, path)  # readers never see a half-written trace
 
     def _scalars(self, values: dict[str, float], step: int) -> None:
         # One event holding every scalar of the step: a tenth of the cost of one
@@ -206,6 +242,8 @@ class Telemetry:
         compat.write_summary(self.writer, summary, step)
 
     def close(self) -> None:
+        """Write the steps still queued (on CUDA this waits for their events), then close the files."""
+        self._write_ready(wait=True)
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()

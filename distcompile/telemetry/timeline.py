@@ -8,16 +8,17 @@ ran while computation ran, divided by the time communication ran.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Span", "StepTimeline", "union", "overlap_pct", "chrome_trace"]
+__all__ = ["Span", "union", "overlap_pct", "chrome_trace"]
 
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """One interval on a track; times in seconds from ``time.perf_counter``.
+    """One interval on a track; times in seconds of ``time.perf_counter``.
+
+    On CUDA the times are GPU times placed on the host clock (see ``clock.py``).
 
     Attributes:
         track: ``"compile"``, ``"compute"`` or ``"comm"``.
@@ -78,38 +79,6 @@ def overlap_pct(comm: Iterable[tuple[float, float]], compute: Iterable[tuple[flo
         else:
             j += 1
     return 100.0 * both / total
-
-
-class StepTimeline:
-    """Collects the spans of the open step; safe to add to from communication threads.
-
-    Example:
-        >>> tl = StepTimeline()
-        >>> tl.begin(0.0); tl.add(Span("comm", "bucket 0", 0.1, 0.2)); len(tl.spans)
-        1
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.start = 0.0
-        self.spans: list[Span] = []
-        self.open = False
-
-    def begin(self, t: float) -> None:
-        with self._lock:
-            self.start = t
-            self.spans = []
-            self.open = True
-
-    def add(self, span: Span) -> None:
-        with self._lock:
-            self.spans.append(span)
-
-    def finish(self) -> list[Span]:
-        with self._lock:
-            self.open = False
-            spans, self.spans = self.spans, []
-            return spans
 
 
 def chrome_trace(spans: Sequence[Span], *, rank: int, step: int, origin: float) -> dict:

@@ -1,4 +1,4 @@
-"""The CUDA path: parity with eager DDP, and no host synchronization in a steady-state step.
+"""The CUDA path: parity with eager DDP, CUDA graphs, no host synchronization, GPU-time spans.
 
 Skipped without CUDA (CI has none). On a GPU machine: ``python -m pytest tests/gpu``.
 Tolerances as in tests.runtime.test_parity.py (aot_eager 1e-4/1e-5, inductor 1e-3/1e-4).
@@ -7,6 +7,7 @@ Tolerances as in tests.runtime.test_parity.py (aot_eager 1e-4/1e-5, inductor 1e-
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -107,3 +108,101 @@ def _gloo_on_one_gpu(rank: int, world: int, backend: str) -> dict:
 def test_parity_two_gloo_ranks_sharing_one_gpu(backend: str) -> None:
     for res in run_ranks(_gloo_on_one_gpu, 2, backend, timeout=900):
         _check(res, backend)
+
+
+def _bn_model() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 8)
+    )
+
+
+def _schedule(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Train, accumulate under no_sync, change the batch size (a recompile), eval, train again."""
+    g = torch.Generator().manual_seed(1)
+    dev = next(model.parameters()).device
+    data = [
+        (torch.randn(n, 32, generator=g).to(dev), torch.randn(n, 8, generator=g).to(dev))
+        for n in (16,) * 4 + (24,) * 2
+    ]
+    losses, evals = [], []
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    for x, y in data[:2]:
+        step(x, y)
+    with model.no_sync():
+        torch.nn.functional.mse_loss(model(data[2][0]), data[2][1]).backward()
+    step(*data[3])
+    model.eval()
+    with torch.no_grad():
+        evals.append(model(data[0][0]).clone())
+    model.train()
+    for x, y in data[4:]:
+        step(x, y)
+    return {
+        "losses": torch.stack(losses).cpu(),
+        "evals": [e.cpu() for e in evals],
+        "state": {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
+        if hasattr(model, "module")
+        else {k: v.detach().cpu() for k, v in model.state_dict().items()},
+    }
+
+
+@pytest.mark.parametrize("cudagraphs", [False, True])
+def test_batchnorm_no_sync_recompile_and_eval_match_eager_ddp(nccl_world_of_one, cudagraphs: bool) -> None:
+    # BatchNorm mutates buffers (PyTorch's reduce-overhead skips CUDA graphs there), the
+    # batch size changes once (a recompile), and eval between training steps (PyTorch's
+    # CUDA graphs have failed in inference after training).
+    torch.manual_seed(0)
+    base = _bn_model().cuda()
+    ref_model = DDP(copy.deepcopy(base), device_ids=[0])
+    ours = distcompile.wrap(
+        DDP(copy.deepcopy(base), device_ids=[0]), backend="inductor", cudagraphs=cudagraphs
+    )
+    ref = _schedule(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9))
+    got = _schedule(ours, torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9))
+    rtol, atol = TOL["inductor"]
+    torch.testing.assert_close(got["losses"], ref["losses"], rtol=rtol, atol=atol)
+    torch.testing.assert_close(got["evals"], ref["evals"], rtol=rtol, atol=atol)
+    ref_state = ref["state"]
+    assert set(got["state"]) == set(ref_state)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(got["state"][k], v, rtol=rtol, atol=atol, msg=k)
+
+
+def test_gpu_spans_are_event_times_inside_the_step(nccl_world_of_one, tmp_path) -> None:
+    cfg = GPTConfig(n_layer=2, n_embd=64)
+    torch.manual_seed(0)
+    model = distcompile.wrap(
+        DDP(GPT(cfg).cuda(), device_ids=[0], bucket_cap_mb=0.05),
+        backend="inductor",
+        logdir=str(tmp_path),
+        trace_every=1,
+        figure_every=0,
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    timed = []
+    for s in range(5):
+        x, y = synthetic_batch(cfg, batch_size=4, step=s, rank=0, device=torch.device("cuda", 0))
+        GPT.loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        timed.append(model.last_step.timed_step)
+    model.close()  # writes the steps the GPU had not finished when they ended
+    assert all(t <= s for s, t in enumerate(timed)) and timed[-1] >= 0, timed
+    for s in range(1, 5):
+        doc = json.loads((tmp_path / "traces" / f"trace_rank0_step{s}.json").read_text())
+        spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+        (step,) = [e for e in spans if e["cat"] == "step"]
+        compute = sorted((e for e in spans if e["cat"] == "compute"), key=lambda e: e["ts"])
+        comm = [e for e in spans if e["cat"] == "comm"]
+        assert compute and comm
+        for e in compute + comm:
+            assert step["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1, (e, step)
+        for a, b in zip(compute, compute[1:]):  # one stream: segments run one after another
+            assert a["ts"] + a["dur"] <= b["ts"] + 1, (a, b)

@@ -1,0 +1,122 @@
+"""Step timelines through the clocks: host times pass unchanged; device times are read late, in order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distcompile.runtime.reducer import StepStats
+from distcompile.telemetry.clock import HostClock, PendingSpan, PendingStep, PendingSteps, clock_for
+from distcompile.telemetry.sink import Telemetry
+
+
+class _DeviceLikeClock:
+    """Marks that become readable only when the test says the device got there.
+
+    Stands in for CUDA events (no GPU here): what is under test is the queue that waits
+    for them, not the events.
+    """
+
+    lazy = True
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.reached = 0.0
+        self.waits = 0
+
+    def mark(self) -> float:
+        self.now += 1.0
+        return self.now
+
+    def done(self, mark: float) -> bool:
+        return mark <= self.reached
+
+    def wait(self, mark: float) -> None:
+        self.waits += 1
+        self.reached = max(self.reached, mark)
+
+    def seconds(self, origin: float, mark: float) -> float:
+        return (mark - origin) / 1e3  # one mark = 1 ms of device time
+
+
+def test_host_clock_spans_keep_their_times() -> None:
+    c = HostClock()
+    step = PendingStep(3, 10.0, 10.0, 10.5)
+    step.spans = [
+        PendingSpan("compute", "g0.s0 fwd", 10.1, 10.2),
+        PendingSpan("comm", "bucket 0", 10.3, 10.4),
+    ]
+    spans = step.resolve(c)
+    assert [(s.track, s.start, s.end) for s in spans] == [
+        ("compute", 10.1, 10.2),
+        ("comm", 10.3, 10.4),
+        ("step", 10.0, 10.5),
+    ]
+    assert spans[-1].name == "step 3"
+
+
+def test_serial_comm_starts_each_all_reduce_after_the_previous() -> None:
+    # Ready at 1 and 2 ms, the first ends at 5: on one stream the second runs 5..7, not 2..7.
+    step = PendingStep(0, 0.0, 0.0, 0.010, serial_comm=True)
+    step.spans = [
+        PendingSpan("comm", "bucket 0", 0.001, 0.005),
+        PendingSpan("comm", "bucket 1", 0.002, 0.007),
+    ]
+    comm = [(s.start, s.end) for s in step.resolve(HostClock()) if s.track == "comm"]
+    assert comm == [(0.001, 0.005), (0.005, 0.007)]
+
+
+def test_spans_recorded_under_graph_capture_are_dropped() -> None:
+    step = PendingStep(0, 0.0, 0.0, 1.0, spans=[PendingSpan("compute", "x", None, 0.5)])
+    assert [s.track for s in step.resolve(HostClock())] == ["step"]
+
+
+def test_pending_steps_come_out_in_order_once_the_device_passed_them() -> None:
+    c = _DeviceLikeClock()
+    q = PendingSteps(c, limit=3)
+    for k in range(3):
+        q.push(PendingStep(k, float(k), c.mark(), c.mark()))
+    assert q.ready() == [] and len(q) == 3  # nothing reached yet: nothing read, nothing waited
+    c.reached = 4.0  # the device finished steps 0 and 1
+    assert [p.step for p, _ in q.ready()] == [0, 1] and c.waits == 0
+    q.push(PendingStep(3, 3.0, c.mark(), c.mark()))
+    q.push(PendingStep(4, 4.0, c.mark(), c.mark()))
+    q.push(PendingStep(5, 5.0, c.mark(), c.mark()))
+    # Four held, over the limit of three: the oldest is waited for, the rest stay queued.
+    assert [p.step for p, _ in q.ready()] == [2] and c.waits == 2  # its two marks
+    assert len(q) == 3
+    assert [p.step for p, _ in q.ready(wait=True)] == [3, 4, 5] and len(q) == 0
+
+
+def test_telemetry_on_a_late_clock_reports_the_newest_finished_step(tmp_path) -> None:
+    tele = Telemetry(
+        run_dir=str(tmp_path / "run"),
+        trace_dir=str(tmp_path / "traces"),
+        rank=0,
+        trace_every=1,
+        figure_every=0,
+    )
+    c = tele.clock = _DeviceLikeClock()
+    tele.pending = PendingSteps(c)
+    figures = []
+    for k in range(3):
+        tele.begin_step()  # six marks a step: begin, 4 span ends, end
+        bwd = PendingSpan("compute", "g0.s0 bwd", c.mark(), None)
+        comm = PendingSpan("comm", "bucket 0", c.mark(), None)
+        bwd.end = c.mark()
+        comm.end = c.mark()  # 1 ms of its 2 ms overlapped the backward
+        tele.timeline.add(bwd)
+        tele.timeline.add(comm)
+        c.reached = 6.0 * k  # the device finished the step before this one
+        figures.append(tele.end_step(StepStats(step=k, fwd_bwd_ms=5.0)))
+    assert figures[0] == {}  # nothing finished yet
+    assert figures[1]["timed_step"] == 0 and figures[2]["timed_step"] == 1
+    assert figures[2]["overlap_pct"] == pytest.approx(50.0)
+    assert figures[2]["exposed_comm_ms"] == pytest.approx(1.0)  # GPU time no compute hid
+    assert not (tmp_path / "traces" / "trace_rank0_step2.json").exists()
+    tele.close()  # waits for the last step and writes it
+    assert (tmp_path / "traces" / "trace_rank0_step2.json").exists()
+
+
+def test_clock_for_cpu_is_the_host_clock() -> None:
+    assert isinstance(clock_for(torch.device("cpu")), HostClock)
