@@ -9,39 +9,32 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from distcompile.tools.bench.variants import VARIANTS
+from distcompile.tools.bench.variants import CPU_DEFAULT
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.timeout(2400)  # every variant also starts twice alone (cold and warm cache): minutes
-def test_benchmark_end_to_end_on_loopback(tmp_path: Path) -> None:
+def _bench(tmp_path: Path, *args: str, timeout: float = 2300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "overlap.py"),
-            "--small",
-            "--rounds",
-            "1",
-            "--block",
-            "2",
-            "--warmup",
-            "1",
-            "--out-dir",
-            str(tmp_path),
-        ],
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "overlap.py"), *args, "--out-dir", str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=2300,
+        timeout=timeout,
         env=env,
         cwd=tmp_path,
     )
+
+
+@pytest.mark.timeout(2400)  # every variant also starts twice alone (cold and warm cache): minutes
+def test_benchmark_end_to_end_on_loopback(tmp_path: Path) -> None:
+    proc = _bench(tmp_path, "--small", "--rounds", "1", "--block", "2", "--warmup", "1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (js,) = tmp_path.glob("*-overlap-loopback-small.json")
     res = json.loads(js.read_text())
-    assert set(res["variants"]) == set(VARIANTS)
+    assert list(res["variants"]) == list(CPU_DEFAULT)
     for name, r in res["variants"].items():
         assert "error" not in r, (name, r)
         assert r["steps"] == 2 and r["median_ms"] > 0 and r["warm_first_step_s"] > 0, (name, r)
@@ -53,3 +46,29 @@ def test_benchmark_end_to_end_on_loopback(tmp_path: Path) -> None:
     md = js.with_suffix(".md").read_text()
     assert "floor" in md and "torch" in md and "dc_inductor_bf16" in md and "- dc_auto: [" in md
     assert "vs floor" in proc.stdout
+
+
+def test_opt_in_variants_run_on_cpu(tmp_path: Path) -> None:
+    # The compiled model without DDP and FSDP2 on a replicate mesh run on gloo too.
+    names = "ddp,compile_noddp,fsdp_replicate"
+    proc = _bench(
+        tmp_path, "--small", "--variants", names, "--no-first-steps", "--rounds", "1", "--block", "2"
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (js,) = tmp_path.glob("*-overlap-loopback-small.json")
+    res = json.loads(js.read_text())
+    assert list(res["variants"]) == names.split(",")
+    for name, r in res["variants"].items():
+        assert "error" not in r and r["steps"] == 2 and r["median_ms"] > 0, (name, r)
+    assert res["meta"]["device"] == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_mode_without_a_gpu_is_refused_with_the_fix(tmp_path: Path) -> None:
+    proc = _bench(tmp_path, "--device", "cuda", "--small", timeout=120)
+    assert (
+        proc.returncode == 2 and "no CUDA GPU found" in proc.stderr and "Run without --device" in proc.stderr
+    )
+    proc = _bench(tmp_path, "--small", "--variants", "ddp,dc_cudagraphs", timeout=120)
+    assert proc.returncode == 2 and "need CUDA graphs" in proc.stderr and "--device cuda" in proc.stderr
+    assert not list(tmp_path.glob("*.json"))

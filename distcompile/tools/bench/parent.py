@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 from .netns import can_make_namespaces, veth_pair
 from .report import report_markdown, table
-from .variants import VARIANTS
+from .variants import CPU_DEFAULT, CUDA_DEFAULT, CUDA_ONLY, VARIANTS
 
 __all__ = ["main"]
 
@@ -34,6 +34,30 @@ _RATES = {"1gbit": 1e9, "200mbit": 200e6}
 
 
 # ----------------------------------------------------------------------------- parent side
+def _check_device(p: argparse.ArgumentParser, args: argparse.Namespace, names: list[str]) -> None:
+    """Set ``args.world`` (GPUs present on cuda, else 2); refuse what the device cannot run."""
+    if args.device == "cpu":
+        args.world = 2
+        cuda_only = [n for n in names if n in CUDA_ONLY]
+        if cuda_only:
+            p.error(f"variant(s) {cuda_only} need CUDA graphs, hence a GPU; add --device cuda or drop them")
+        return
+    import torch  # the parent imports torch only to count GPUs
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not gpus:
+        p.error(
+            f"--device cuda: no CUDA GPU found (torch {torch.__version__}, torch.cuda.is_available() is "
+            "False). Run without --device for CPU ranks on gloo, or on a machine with GPUs and a CUDA build of torch."
+        )
+    if args.link != "loopback":
+        p.error(
+            f"--link {args.link} shapes the link between two CPU ranks (gloo); with --device cuda the "
+            "ranks use NCCL between this machine's GPUs. Drop --link or --device cuda."
+        )
+    args.world = gpus
+
+
 @contextlib.contextmanager
 def _shaped_link(link: str) -> Iterator[tuple[list[str], list[str], list[str]] | None]:
     """Two namespaces joined by a tbf-shaped veth pair; yields (namespaces, devices, addresses)."""
@@ -69,7 +93,7 @@ def _launch(args: argparse.Namespace, extra: list[str], net: tuple | None, cache
     port = _free_port() if net is None else 29533
     master = "127.0.0.1" if net is None else net[2][0]
     procs = []
-    for rank in range(2):
+    for rank in range(args.world):
         env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
         env["GLOO_SOCKET_IFNAME"] = "lo" if net is None else net[1][rank]
         cmd = [
@@ -132,7 +156,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--link", choices=("loopback", *_RATES), default="loopback")
     p.add_argument(
-        "--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS)
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: two gloo ranks (on --link); cuda: one NCCL rank per GPU present",
+    )
+    p.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated subset of: "
+        + ", ".join(VARIANTS)
+        + f". Default on cpu: {','.join(CPU_DEFAULT)}; "
+        f"on cuda: {','.join(CUDA_DEFAULT)}",
     )
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--block", type=int, default=5, help="steps per variant per round")
@@ -153,6 +188,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
     p.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
@@ -168,10 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     """
     p = _parser()
     args = p.parse_args(argv)
+    if args.variants is None:
+        args.variants = ",".join(CUDA_DEFAULT if args.device == "cuda" else CPU_DEFAULT)
     names = [n for n in args.variants.split(",") if n]
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
         p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    if not args.worker:
+        _check_device(p, args, names)
     if args.worker:
         from .worker import run_worker  # imports torch: only in the rank processes
 
@@ -185,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     common = [
         "--variants",
         ",".join(names),
+        "--device",
+        args.device,
+        "--world",
+        str(args.world),
         "--rounds",
         str(args.rounds),
         "--block",
@@ -195,11 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dc_bench_") as tmp, _shaped_link(args.link) as net:
         cache = os.path.join(tmp, "inductor_cache")
         out = os.path.join(tmp, "result.json")
-        print(
-            f"[bench] {len(names)} variants on a {args.link if net else 'loopback'} link; cold compile cache "
-            f"{cache}",
-            flush=True,
+        where = (
+            f"{args.world} GPU(s), NCCL"
+            if args.device == "cuda"
+            else f"a {args.link if net else 'loopback'} link"
         )
+        print(f"[bench] {len(names)} variants on {where}; cold compile cache {cache}", flush=True)
         _launch(args, common, net, cache, out)
         with open(out) as f:
             res = json.load(f)
@@ -210,12 +255,14 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             _first_steps(args, name, common, net, os.path.join(tmp, f"cache-{name}"), res["variants"])
-    link = args.link if net else "loopback"
+    link = "cuda" if args.device == "cuda" else args.link if net else "loopback"
     res["meta"].update(
         link=link,
         link_detail=(
             f"veth pair between two network namespaces, both ends shaped with tc tbf rate {link}"
             if net
+            else f"NCCL between {args.world} GPU(s) of this machine"
+            if args.device == "cuda"
             else "loopback (127.0.0.1), unshaped"
         ),
         command=" ".join(["python benchmarks/overlap.py", *(argv if argv is not None else sys.argv[1:])]),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["report_markdown", "table"]
+__all__ = ["gpu_table", "report_markdown", "table"]
 
 
 def _fmt(x: float | None, unit: str = "", nd: int = 1) -> str:
@@ -16,12 +16,83 @@ def _peak(r: dict, ddp: dict) -> str:
     return f"{r['peak_rss_mb']:.0f}{ratio}"
 
 
+def _render(rows: list[tuple]) -> list[str]:
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def _ratio(m: float, ref: dict, key: str = "median_ms") -> str:
+    return _fmt(m / ref[key] if ref.get(key) else None, "x", 3)
+
+
+def gpu_table(res: dict) -> str:
+    """GPU step times (CUDA events) against the compiled model without DDP, eager DDP and DDPOptimizer.
+
+    Example:
+        >>> # print(gpu_table(json.load(open("benchmarks/results/2026-11-24-overlap-cuda.json"))))
+    """
+    head = (
+        "variant",
+        "median ms",
+        "min",
+        "max",
+        "wall ms",
+        "vs floor",
+        "vs DDP",
+        "vs DDPOpt",
+        "vs DDPOpt+CG",
+    )
+    rows = [head + ("exposed ms", "overlap %", "syncs/step", "cold s", "warm s", "peak GPU MB")]
+    v = res["variants"]
+    floor, ddp, ddpopt, cg = (
+        v.get(n, {}) for n in ("compile_noddp", "ddp", "compile_ddpopt", "compile_ddpopt_cg")
+    )
+    for name, r in v.items():
+        if "error" in r:
+            rows.append((name, "failed: " + r["error"][:60], *[""] * (len(rows[0]) - 2)))
+            continue
+        m = r["median_ms"]
+        peak = r.get("peak_gpu_mb")
+        rows.append(
+            (
+                name,
+                _fmt(m),
+                _fmt(r["min_ms"]),
+                _fmt(r["max_ms"]),
+                _fmt(r.get("wall_ms")),
+                _ratio(m, floor),
+                _ratio(m, ddp),
+                _ratio(m, ddpopt),
+                _ratio(m, cg),
+                _fmt(r.get("exposed_ms")),
+                _fmt(r.get("overlap_pct")),
+                _fmt(r.get("host_syncs_per_step"), "", 1),
+                _fmt(r.get("cold_first_step_s"), "", 2),
+                _fmt(r.get("warm_first_step_s"), "", 2),
+                "-" if peak is None else f"{peak:.0f} ({_ratio(peak, ddp, 'peak_gpu_mb')})",
+            )
+        )
+    m = res["meta"]
+    return "\n".join(
+        _render(rows)
+        + [
+            "",
+            f"{m['world_size']} rank(s), one per GPU ({m['gpu']}); median/min/max: CUDA-event time of a step "
+            "(the slower rank's); wall ms: host time per step over a block, one wait per block.",
+        ]
+    )
+
+
 def table(res: dict) -> str:
     """Step times of every variant against eager DDP, DDPOptimizer and the floor, then the floor's terms.
 
     Example:
         >>> # print(table(json.load(open("benchmarks/results/2026-11-22-overlap-1gbit.json"))))
     """
+    if res["meta"].get("device") == "cuda":
+        return gpu_table(res)
     rows = [
         (
             "variant",
@@ -40,11 +111,7 @@ def table(res: dict) -> str:
         )
     ]
     v = res["variants"]
-    base, ddpopt, floor = (
-        v.get("ddp", {}).get("median_ms"),
-        v.get("compile_ddpopt", {}).get("median_ms"),
-        res["floor"]["floor_ms"],
-    )
+    floor = res["floor"]["floor_ms"]
     for name, r in v.items():
         if "error" in r:
             rows.append((name, "failed: " + r["error"][:60], *[""] * 11))
@@ -56,8 +123,8 @@ def table(res: dict) -> str:
                 _fmt(m),
                 _fmt(r["min_ms"]),
                 _fmt(r["max_ms"]),
-                _fmt(m / base if base else None, "x", 3),
-                _fmt(m / ddpopt if ddpopt else None, "x", 3),
+                _ratio(m, v.get("ddp", {})),
+                _ratio(m, v.get("compile_ddpopt", {})),
                 _fmt(m / floor, "x", 3),
                 _fmt(m / res["floor"]["cpu_floor_ms"] if "cpu_floor_ms" in res["floor"] else None, "x", 3),
                 _fmt(r.get("exposed_ms")),
@@ -67,9 +134,7 @@ def table(res: dict) -> str:
                 _peak(r, v.get("ddp", {})),
             )
         )
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = _render(rows)
     f = res["floor"]
     lines.append("")
     lines.append(
@@ -95,15 +160,24 @@ def report_markdown(res: dict) -> str:
         >>> # open(stem + ".md", "w").write(report_markdown(res))
     """
     m = res["meta"]
+    gpu = m.get("device") == "cuda"
+    versions = f"torch {m['torch']}, python {m['python']}, distcompile {m['distcompile']}"
+    if gpu:
+        versions += f", CUDA {m['cuda']}, NCCL {m['nccl']}, Triton {m['triton']}, driver {m['driver']}"
+    ranks = (
+        f"{m['world_size']} NCCL rank(s), one per GPU ({m['gpu']}); bf16 autocast, fused AdamW"
+        if gpu
+        else f"{m['world_size']} gloo ranks, 1 thread each"
+    )
     return (
         "\n".join(
             [
-                f"# Overlap benchmark, {m['link']} link, {m['date']}",
+                f"# Overlap benchmark, {m['link']}{'' if gpu else ' link'}, {m['date']}",
                 "",
                 f"- machine: {m['machine']}",
                 f"- link: {m['link_detail']}",
-                f"- versions: torch {m['torch']}, python {m['python']}, distcompile {m['distcompile']}",
-                f"- model: {m['model']}; {m['world_size']} gloo ranks, 1 thread each",
+                f"- versions: {versions}",
+                f"- model: {m['model']}; {ranks}",
                 f"- steps: {m['rounds']} rounds x {m['block']} steps per variant, alternating; "
                 f"warm-up {m['warmup']} steps each",
                 f"- command: `{m['command']}`",
@@ -117,7 +191,14 @@ def report_markdown(res: dict) -> str:
                 "time that ran under computation (distcompile telemetry; not measurable for the others). cold s / "
                 "warm s: the first step of the variant alone in a new pair of processes, with an empty compile cache of "
                 "its own / with the cache that run filled. peak RSS MB: the larger rank's peak resident memory in the "
-                "warm process, which built only this variant and ran its warm-up steps (ratio to eager DDP's).",
+                "warm process, which built only this variant and ran its warm-up steps (ratio to eager DDP's)."
+                + (
+                    " On GPUs: exposed ms of distcompile is GPU time of communication no computation hid; "
+                    "syncs/step counts synchronizing CUDA runtime calls (profiler, 3 warm steps); peak GPU MB is "
+                    "torch.cuda.max_memory_allocated in that warm process."
+                    if gpu
+                    else ""
+                ),
                 "",
                 "Plans of the distcompile variants (buckets in launch order, MB):",
                 "",

@@ -18,22 +18,43 @@ from distcompile.models import GPT
 
 from .workload import Workload
 
-__all__ = ["VARIANTS", "Variant", "build"]
+__all__ = ["CPU_DEFAULT", "CUDA_DEFAULT", "CUDA_ONLY", "VARIANTS", "Variant", "build"]
 
 #: Variant name -> short description, in the order they run within a round.
 VARIANTS = {
+    "compile_noddp": "torch.compile(model), no DDP: no gradient sync (the compute floor)",
     "ddp": "eager DDP",
     "ddp_fp16": "eager DDP + fp16 compression hook",
     "compile_ddpopt": "torch.compile(DDP), DDPOptimizer",
+    "compile_ddpopt_cg": "torch.compile(DDP, mode='reduce-overhead'): DDPOptimizer, CUDA graphs",
     "compile_noopt": "torch.compile(DDP), optimize_ddp=False",
     "compiled_autograd": "torch.compile + compiled autograd, python reducer",
+    "fsdp_replicate": "fully_shard on a (world, 1) replicate mesh, each block compiled",
     "dc_aot_eager": "distcompile, aot_eager",
     "dc_inductor": "distcompile, inductor",
+    "dc_cudagraphs": "distcompile, inductor, cudagraphs=True",
     "dc_inductor_bf16": "distcompile, inductor, bf16 compression",
     "dc_auto": "distcompile, inductor, bucket_cap_mb='auto'",
     "dc_auto_bf16_tail": "distcompile, inductor, 'auto' buckets, bf16 on the tail bucket only",
     "dc_auto_bf16": "distcompile, inductor, 'auto' buckets, bf16 compression",
 }
+#: Variants that need CUDA (CUDA graphs).
+CUDA_ONLY = ("compile_ddpopt_cg", "dc_cudagraphs")
+#: What runs without --variants: on CPU ranks (gloo, shaped links) and on GPUs (NCCL).
+CPU_DEFAULT = tuple(
+    n for n in VARIANTS if n not in CUDA_ONLY and n not in ("compile_noddp", "fsdp_replicate")
+)
+CUDA_DEFAULT = (
+    "compile_noddp",
+    "ddp",
+    "compile_ddpopt",
+    "compile_ddpopt_cg",
+    "compiled_autograd",
+    "fsdp_replicate",
+    "dc_inductor",
+    "dc_cudagraphs",
+    "dc_auto",
+)
 
 
 @dataclass
@@ -44,7 +65,8 @@ class Variant:
         mode: Its ``torch._dynamo.config.optimize_ddp`` setting, in force until ``warm``.
         ctx: Entered around forward and backward (compiled autograd for that variant).
         warm: Set once its compiles are done; later steps switch no global setting.
-        times: Seconds of each timed step.
+        times: Seconds of each timed step (on CUDA: GPU time between events around it).
+        events: CUDA events around the steps not read yet (CUDA only).
     """
 
     name: str
@@ -54,6 +76,7 @@ class Variant:
     ctx: Callable = contextlib.nullcontext
     warm: bool = False
     times: list[float] = field(default_factory=list)
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
 
     def step(self, w: Workload) -> float:
         """One training step on the workload's next batch; returns its seconds.
@@ -65,12 +88,25 @@ class Variant:
         with contextlib.nullcontext() if self.warm else compat.set_optimize_ddp(self.mode):
             x, y = w.next_batch()
             t0 = time.perf_counter()
+            if w.cuda:  # GPU time from events, read after the block (no sync per step)
+                self.events.append(
+                    (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                )
+                self.events[-1][0].record()
             with self.ctx():
-                loss = GPT.loss(self.model(x), y)
+                with w.autocast():
+                    loss = GPT.loss(self.model(x), y)
                 loss.backward()
             self.opt.step()
             self.opt.zero_grad()
+            if w.cuda:
+                self.events[-1][1].record()
             return time.perf_counter() - t0
+
+    def read_events(self) -> None:
+        """Move the GPU times of finished steps into ``times`` (call after a synchronize)."""
+        self.times.extend(a.elapsed_time(b) / 1e3 for a, b in self.events)
+        self.events.clear()
 
 
 def build(w: Workload, name: str) -> Variant:
@@ -89,32 +125,55 @@ def build(w: Workload, name: str) -> Variant:
         name, True
     )
     with compat.set_optimize_ddp(mode):
-        cap = {"bucket_cap_mb": w.args.bucket_cap_mb} if w.args.bucket_cap_mb else {}
-        ddp = DDP(w.fresh(name), **cap)
-    ctx = contextlib.nullcontext
+        model = _model(w, name)
+    ctx = compat.compiled_autograd if name == "compiled_autograd" else contextlib.nullcontext
+    return Variant(name, model, w.optimizer(model.parameters()), mode, ctx)
+
+
+def _model(w: Workload, name: str) -> torch.nn.Module:
+    if name == "compile_noddp":
+        return torch.compile(w.fresh(name), backend=_distinct_inductor())
+    if name == "fsdp_replicate":
+        return _fsdp_replicate(w, name)
+    cap = {"bucket_cap_mb": w.args.bucket_cap_mb} if w.args.bucket_cap_mb else {}
+    ddp = DDP(w.fresh(name), device_ids=[w.device.index] if w.cuda else None, **cap)
     if name in ("ddp", "ddp_fp16"):
-        model = ddp
         if name == "ddp_fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif name in ("compile_ddpopt", "compile_noopt", "compiled_autograd"):
-        model = torch.compile(ddp, backend=_distinct_inductor())
-        ctx = compat.compiled_autograd if name == "compiled_autograd" else ctx
-    else:
-        model = distcompile.wrap(
-            ddp,
-            backend="aot_eager" if name == "dc_aot_eager" else "inductor",
-            bucket_cap_mb="auto" if name.startswith("dc_auto") else None,
-            compression="bf16" if "bf16" in name else None,
-            compression_scope="tail" if name.endswith("tail") else "all",
-            logdir=tempfile.mkdtemp(prefix=f"dc_{name}_"),
-            trace_every=0,
-            figure_every=0,
-        )
-    return Variant(name, model, torch.optim.AdamW(model.parameters(), lr=1e-4), mode, ctx)
+        return ddp
+    if name.startswith("compile_") or name == "compiled_autograd":
+        return torch.compile(ddp, backend=_distinct_inductor(cudagraphs=name.endswith("_cg")))
+    return distcompile.wrap(
+        ddp,
+        backend="aot_eager" if name == "dc_aot_eager" else "inductor",
+        bucket_cap_mb="auto" if name.startswith("dc_auto") else None,
+        compression="bf16" if "bf16" in name else None,
+        compression_scope="tail" if name.endswith("tail") else "all",
+        cudagraphs=name == "dc_cudagraphs",
+        logdir=tempfile.mkdtemp(prefix=f"dc_{name}_"),
+        trace_every=0,
+        figure_every=0,
+    )
 
 
-def _distinct_inductor() -> Callable:
+def _fsdp_replicate(w: Workload, name: str) -> torch.nn.Module:
+    # Data parallelism as torchtitan does it now: FSDP2 on a 2-D mesh whose shard dimension
+    # has size 1 (parameters replicated, gradients all-reduced), each block compiled alone.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(w.device.type, (w.world, 1), mesh_dim_names=("replicate", "shard"))
+    model = w.fresh(name)
+    for block in model.blocks:
+        block.compile(backend=_distinct_inductor())
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _distinct_inductor(*, cudagraphs: bool = False) -> Callable:
     # A backend object per variant: TorchDynamo caches compiled code per backend, so
     # variants compiled from the same DDP.forward never reuse each other's graphs.
-    compile_fx = compat.inductor_compiler(mode=None, dynamic=None, cudagraphs=False)
+    # CUDA graphs: what torch.compile(mode="reduce-overhead") switches on.
+    mode = "reduce-overhead" if cudagraphs else None
+    compile_fx = compat.inductor_compiler(mode=mode, dynamic=None, cudagraphs=cudagraphs)
     return lambda gm, ex: compile_fx(gm, ex)

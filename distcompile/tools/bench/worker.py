@@ -16,6 +16,7 @@ import torch.distributed as dist
 import distcompile
 
 from .floor import measure_floor
+from .gpu import count_host_syncs, gpu_meta
 from .variants import VARIANTS, Variant, build
 from .workload import Workload
 
@@ -32,24 +33,41 @@ def run_worker(args: argparse.Namespace, names: list[str]) -> None:
     Example:
         >>> # run_worker(args, ["ddp", "dc_inductor"])   # in each of the two rank processes
     """
-    torch.set_num_threads(1)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(args.rank)  # one rank per GPU
+    else:
+        torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank, world_size=2
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://{args.master}:{args.port}",
+        rank=args.rank,
+        world_size=args.world,
     )
     w = Workload.for_rank(args)
-    # The warm-cache pass only times first steps and peak memory; it needs no floor.
-    floor, compute_step = ({}, 0.0) if args.first_step_only else measure_floor(w)
+    # The warm-cache pass only times first steps and peak memory; it needs no floor. On
+    # GPUs the floor is a variant: the compiled model without DDP.
+    floor, compute_step = ({}, 0.0) if args.first_step_only or cuda else measure_floor(w)
     results: dict[str, dict] = {}
     variants = _build_all(w, names, results)
     if not args.first_step_only:
         _run_rounds(w, variants, results)
-        _summarize(variants, results, compute_step)
+        if cuda:
+            count_host_syncs(w, variants, results)
+        _summarize(w, variants, results, compute_step)
     if w.rank == 0:
         with open(args.out, "w") as f:
             json.dump(
                 {"meta": _meta(w), "floor": floor, "variants": {n: results[n] for n in names}}, f, indent=2
             )
     dist.destroy_process_group()
+
+
+def _first_step(w: Workload, v: Variant) -> float:
+    t0 = time.perf_counter()
+    v.step(w)
+    w.sync()
+    return time.perf_counter() - t0
 
 
 def _build_all(w: Workload, names: list[str], results: dict[str, dict]) -> list[Variant]:
@@ -61,11 +79,15 @@ def _build_all(w: Workload, names: list[str], results: dict[str, dict]) -> list[
     for name in sorted(names, key=lambda n: n == "compiled_autograd"):
         w.say(f"building and compiling {name} ({VARIANTS[name]}) ...")
         rss0 = _rss_mb()
+        if w.cuda:
+            torch.cuda.reset_peak_memory_stats()
         try:
             v = build(w, name)
-            first = v.step(w)
+            first = _first_step(w, v)
             for _ in range(w.args.warmup):
                 v.step(w)
+            w.sync()
+            v.events.clear()
         except Exception as exc:  # noqa: BLE001 - the report says which variant failed and why
             results[name] = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
             w.say(f"{name} failed: {results[name]['error']}")
@@ -73,9 +95,12 @@ def _build_all(w: Workload, names: list[str], results: dict[str, dict]) -> list[
         v.warm = True
         results[name] = {"first_step_s": first, "rss_mb": _rss_mb() - rss0}
         if w.args.first_step_only:  # this process built only this variant: its peak is the variant's
-            peak = torch.tensor([_rss_mb()], dtype=torch.float64)
+            gpu_mb = torch.cuda.max_memory_allocated() / 2**20 if w.cuda else 0.0
+            peak = torch.tensor([_rss_mb(), gpu_mb], dtype=torch.float64, device=w.device)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            results[name]["peak_rss_mb"] = peak.item()
+            results[name]["peak_rss_mb"] = peak[0].item()
+            if w.cuda:
+                results[name]["peak_gpu_mb"] = peak[1].item()
         if name.startswith("dc_"):
             graphs = v.model.graphs
             results[name]["plan"] = {
@@ -95,27 +120,42 @@ def _run_rounds(w: Workload, variants: list[Variant], results: dict[str, dict]) 
     with torch.compiler.set_stance("fail_on_recompile"):
         for r in range(w.args.rounds):
             for v in variants:
+                t0 = time.perf_counter()
                 for _ in range(w.args.block):
-                    v.times.append(v.step(w))
+                    seconds = v.step(w)
+                    if not w.cuda:
+                        v.times.append(seconds)
                     if v.name.startswith("dc_"):
                         s = v.model.last_step
                         results[v.name].setdefault("_exposed", []).append(s.exposed_comm_ms)
                         results[v.name].setdefault("_overlap", []).append(s.overlap_pct)
+                if w.cuda:  # one wait per block: the host runs ahead within it, as in training
+                    w.sync()
+                    v.read_events()
+                    results[v.name].setdefault("_wall", []).append((time.perf_counter() - t0) / w.args.block)
             w.say(f"round {r + 1}/{w.args.rounds} done")
 
 
-def _summarize(variants: list[Variant], results: dict[str, dict], compute_step: float) -> None:
+def _summarize(w: Workload, variants: list[Variant], results: dict[str, dict], compute_step: float) -> None:
     for v in variants:
         # The slower rank gates every step; take each step's max over ranks.
-        t = torch.tensor(v.times, dtype=torch.float64)
+        t = torch.tensor(v.times, dtype=torch.float64, device=w.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         ms = [x * 1e3 for x in t.tolist()]
         r = results[v.name]
         r.update(median_ms=statistics.median(ms), min_ms=min(ms), max_ms=max(ms), steps=len(ms))
+        if "_wall" in r:
+            wall = torch.tensor(r.pop("_wall"), dtype=torch.float64, device=w.device)
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+            r["wall_ms"] = statistics.median(wall.tolist()) * 1e3
+    # On GPUs the compute-only step is the compiled model without DDP, when it ran.
+    compute_step = compute_step or results.get("compile_noddp", {}).get("median_ms", 0.0)
+    for v in variants:
+        r = results[v.name]
         if v.name.startswith("dc_"):
             r["exposed_ms"] = statistics.median(r.pop("_exposed"))
             r["overlap_pct"] = statistics.median(r.pop("_overlap"))
-        else:
+        elif compute_step:
             r["exposed_ms"] = max(0.0, r["median_ms"] - compute_step)
 
 
@@ -131,6 +171,8 @@ def _meta(w: Workload) -> dict:
         "block": a.block,
         "warmup": a.warmup,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "device": w.device.type,
+        **(gpu_meta() if w.cuda else {}),
         "model": f"GPT {w.nparams / 1e6:.2f}M parameters ({w.cfg}), batch {w.batch}; DDP bucket_cap_mb "
         + (f"{a.bucket_cap_mb:g}" if a.bucket_cap_mb else "default (25 MiB, first bucket 1 MiB)"),
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -29,19 +30,45 @@ class Workload:
     batch: int
     data: list[tuple[torch.Tensor, torch.Tensor]]
     nparams: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _served: int = field(default=0, repr=False)
 
     @classmethod
     def for_rank(cls, args: argparse.Namespace) -> Workload:
-        """The workload of the initialized process group's rank (``--small``: a tiny model)."""
+        """The workload of the initialized process group's rank (``--small``: a tiny model).
+
+        On CUDA (one rank per GPU): a GPT-2-small-sized model (111M parameters, 1024
+        tokens, batch 8) under bf16 autocast with fused AdamW; on CPU a 4-layer GPT.
+        """
         rank, world = dist.get_rank(), dist.get_world_size()
+        cuda = getattr(args, "device", "cpu") == "cuda"
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         if args.small:
             cfg, batch = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64), 4
+        elif cuda:
+            cfg, batch = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768), 8
         else:
             cfg, batch = GPTConfig(vocab_size=8192, block_size=128, n_layer=4, n_head=4, n_embd=256), 8
-        data = [synthetic_batch(cfg, batch_size=batch, step=s, rank=rank) for s in range(8)]
+        data = [synthetic_batch(cfg, batch_size=batch, step=s, rank=rank, device=device) for s in range(8)]
         nparams = sum(p.numel() for p in GPT(cfg).parameters())
-        return cls(args, rank, world, cfg, batch, data, nparams)
+        return cls(args, rank, world, cfg, batch, data, nparams, device)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast on CUDA (how GPU models train); nothing on CPU."""
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else contextlib.nullcontext()
+
+    def optimizer(self, params: object) -> torch.optim.Optimizer:
+        """AdamW; the fused kernel on CUDA."""
+        return torch.optim.AdamW(params, lr=1e-4, fused=True if self.cuda else None)
+
+    def sync(self) -> None:
+        """Wait for the GPU (CPU: nothing to wait for)."""
+        if self.cuda:
+            torch.cuda.synchronize()
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next batch of this rank's cycle."""
@@ -53,7 +80,7 @@ class Workload:
         # With a shared code object every call evaluated every variant's guards (measured:
         # 4-5x slower steps on the small model).
         torch.manual_seed(0)
-        return own_forward_code(GPT(self.cfg), tag)
+        return own_forward_code(GPT(self.cfg).to(self.device), tag)
 
     def say(self, *parts: object) -> None:
         """Progress, from the first rank only."""
