@@ -75,10 +75,18 @@ def test_cudagraphs_parity(nccl_world_of_one) -> None:
     _check(_parity(0, "inductor", cudagraphs=True), "inductor")
 
 
-def test_no_host_sync_in_a_steady_state_step(nccl_world_of_one) -> None:
+@pytest.mark.parametrize("telemetry", [False, True])
+def test_no_host_sync_in_a_steady_state_step(nccl_world_of_one, tmp_path, telemetry: bool) -> None:
+    # With telemetry on too: its CUDA events are read only once the GPU has passed them.
     cfg = GPTConfig(n_layer=2, n_embd=64)
     torch.manual_seed(0)
-    model = distcompile.wrap(DDP(GPT(cfg).cuda(), device_ids=[0], bucket_cap_mb=0.05), backend="inductor")
+    model = distcompile.wrap(
+        DDP(GPT(cfg).cuda(), device_ids=[0], bucket_cap_mb=0.05),
+        backend="inductor",
+        logdir=str(tmp_path) if telemetry else None,
+        trace_every=0,
+        figure_every=0,
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     batches = [
         synthetic_batch(cfg, batch_size=4, step=s, rank=0, device=torch.device("cuda", 0)) for s in range(5)
