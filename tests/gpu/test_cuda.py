@@ -210,8 +210,13 @@ def test_gpu_spans_are_event_times_inside_the_step(nccl_world_of_one, tmp_path) 
         compute = sorted((e for e in spans if e["cat"] == "compute"), key=lambda e: e["ts"])
         comm = [e for e in spans if e["cat"] == "comm"]
         assert compute and comm
+        # Microseconds; an all-reduce's end is an event on a stream that waits for it, so it
+        # may land a few microseconds after the step's own end event.
         for e in compute + comm:
-            assert step["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1, (e, step)
+            assert step["ts"] - 50 <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 50, (
+                e,
+                step,
+            )
         for a, b in zip(compute, compute[1:]):  # one stream: segments run one after another
             assert a["ts"] + a["dur"] <= b["ts"] + 1, (a, b)
 
