@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -29,6 +31,21 @@ log = logging.getLogger(__name__)
 #: models in the same order (``wrap`` is a collective), so the n-th model of every rank
 #: gets the same prefix.
 _wrap_ids = itertools.count()
+
+#: Wrapped models not closed yet; closed at interpreter exit, while Python is still whole.
+_open: weakref.WeakSet[DistCompiledModule] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_models() -> None:
+    # Runs before interpreter finalization: telemetry still queued is written (on CUDA the
+    # last steps wait for their events) and the gradient hooks go, so no model of ours is
+    # torn down piecemeal during finalization.
+    for model in list(_open):
+        try:
+            model.close()
+        except Exception:  # noqa: BLE001 - exiting anyway; say what was not flushed
+            log.warning("closing a distcompile model at exit failed", exc_info=True)
 
 
 class Observer(StepObserver, CompileObserver, Protocol):
@@ -105,6 +122,7 @@ class DistCompiledModule(nn.Module):
             on_guard_failure=self._backend.guard_failed,
         )
         object.__setattr__(self, "_compiled", compiled)  # not a registered submodule
+        _open.add(self)
 
     @property
     def graphs(self) -> list[GraphRecord]:
@@ -175,11 +193,15 @@ class DistCompiledModule(nn.Module):
             self._sync = previous
 
     def close(self) -> None:
-        """Flush TensorBoard files and remove gradient hooks; the module stops synchronizing.
+        """Flush TensorBoard files and traces, remove gradient hooks; the module stops synchronizing.
+
+        Safe to call twice. A model still open at interpreter exit is closed then (an
+        ``atexit`` handler), so a script that never calls it loses no telemetry.
 
         Example:
             >>> # model.close()  # at the end of training
         """
+        _open.discard(self)
         self._reducer.close()
         if self._observer is not None:
             self._observer.close()
