@@ -116,15 +116,8 @@ def main() -> None:
     sys.stdout.write(f"rank {rank} final parameter digest {digest!r}\n")
     sys.stdout.flush()
     if args.distcompile:
-        model.close()
+        model.close()  # flushes telemetry (also done at exit if a script forgets)
     dist.destroy_process_group()
-    # Everything is written. About one worker in six aborted after this point, during
-    # interpreter finalization ("terminate called without an active exception", no Python
-    # frame left), which torchrun reports as a failed run; ending here skips that teardown.
-    # Open bug: see docs/design.md, Known limits.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

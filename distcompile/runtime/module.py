@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import itertools
 import logging
-import weakref
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -19,6 +17,7 @@ from .._agreement import default_store, failed_ranks, mark_failed
 from .._config import Config
 from .._errors import DistCompileError
 from ..compile.backend import CompileObserver, CompileTarget, GraphCompiler, GraphRecord
+from . import shutdown
 from .collectives import broadcast_coalesced
 from .ddp import Settings
 from .reducer import BucketReducer, StepObserver, StepStats
@@ -31,21 +30,6 @@ log = logging.getLogger(__name__)
 #: models in the same order (``wrap`` is a collective), so the n-th model of every rank
 #: gets the same prefix.
 _wrap_ids = itertools.count()
-
-#: Wrapped models not closed yet; closed at interpreter exit, while Python is still whole.
-_open: weakref.WeakSet[DistCompiledModule] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_models() -> None:
-    # Runs before interpreter finalization: telemetry still queued is written (on CUDA the
-    # last steps wait for their events) and the gradient hooks go, so no model of ours is
-    # torn down piecemeal during finalization.
-    for model in list(_open):
-        try:
-            model.close()
-        except Exception:  # noqa: BLE001 - exiting anyway; say what was not flushed
-            log.warning("closing a distcompile model at exit failed", exc_info=True)
 
 
 class Observer(StepObserver, CompileObserver, Protocol):
@@ -122,7 +106,7 @@ class DistCompiledModule(nn.Module):
             on_guard_failure=self._backend.guard_failed,
         )
         object.__setattr__(self, "_compiled", compiled)  # not a registered submodule
-        _open.add(self)
+        shutdown.track(self)  # closed at interpreter exit if the script does not
 
     @property
     def graphs(self) -> list[GraphRecord]:
@@ -201,7 +185,7 @@ class DistCompiledModule(nn.Module):
         Example:
             >>> # model.close()  # at the end of training
         """
-        _open.discard(self)
+        shutdown.untrack(self)
         self._reducer.close()
         if self._observer is not None:
             self._observer.close()

@@ -216,11 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         from .worker import run_worker  # imports torch: only in the rank processes
 
         run_worker(args, names)
-        # The results are on disk. Skip interpreter teardown: about one worker in three that
-        # had just compiled with an empty cache aborted there ("terminate called without an
-        # active exception", SIGABRT), after its work was done; not diagnosed further.
-        sys.stdout.flush()
-        os._exit(0)
+        return 0
 
     common = [
         "--variants",
