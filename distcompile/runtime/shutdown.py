@@ -17,9 +17,10 @@ Note [Exit abort]
     atexit destroy, abandoned).
 
     ``atexit`` handlers run before finalization, with Python whole: this one closes open
-    models (telemetry flushed, hooks removed), then, if torch communication threads are
-    alive, sleeps briefly so a thread still releasing a finished collective gets the GIL
-    in time.
+    models (telemetry flushed, hooks removed), then, while torch communication threads
+    are alive, leaves the GIL free: one slice, then more for as long as any of them is
+    runnable (a thread the scheduler preempted right after finishing a collective), up
+    to ``EXIT_GRACE_MAX_S``. Idle threads wait on a condition variable and cost nothing.
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ import time
 import weakref
 from typing import Protocol
 
-__all__ = ["EXIT_GRACE_S", "communication_threads", "track", "untrack"]
+__all__ = ["EXIT_GRACE_MAX_S", "EXIT_GRACE_S", "communication_threads", "track", "untrack"]
 
 log = logging.getLogger(__name__)
 
-#: Seconds the exit handler leaves the GIL to torch's communication threads.
-EXIT_GRACE_S = 0.1
+#: The exit handler leaves the GIL free at least this long, and at most ``EXIT_GRACE_MAX_S``.
+EXIT_GRACE_S = 0.01
+EXIT_GRACE_MAX_S = 1.0
 #: Thread names torch gives its communication threads (gloo work loop and transport, NCCL).
 _COMM_THREAD_PREFIXES = ("pt_gloo", "gloo_", "pt_nccl")
 
@@ -65,25 +67,29 @@ def untrack(model: _Closable) -> None:
     _open.discard(model)
 
 
-def communication_threads() -> int | None:
-    """How many torch communication threads are alive (``None`` where ``/proc`` is absent).
+def communication_threads() -> tuple[int, int] | None:
+    """(alive, runnable) torch communication threads of this process; ``None`` without ``/proc``.
 
     Example:
-        >>> n = communication_threads(); n is None or n >= 0
+        >>> found = communication_threads(); found is None or found[0] >= found[1] >= 0
         True
     """
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
         return None
-    n = 0
+    alive = runnable = 0
     for task in tasks:
         try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                n += f.read().startswith(_COMM_THREAD_PREFIXES)
+            with open(f"/proc/self/task/{task}/stat") as f:
+                stat = f.read()
         except OSError:
             continue  # the thread ended meanwhile
-    return n
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        if name.startswith(_COMM_THREAD_PREFIXES):
+            alive += 1
+            runnable += stat[stat.rindex(")") + 2] == "R"
+    return alive, runnable
 
 
 @atexit.register
@@ -93,6 +99,14 @@ def _before_finalization() -> None:
             model.close()
         except Exception:  # noqa: BLE001 - exiting anyway; say what was not flushed
             log.warning("closing a distcompile model at exit failed", exc_info=True)
-    threads = communication_threads()
-    if threads or (threads is None and _tracked_any):
-        time.sleep(EXIT_GRACE_S)
+    found = communication_threads()
+    if found is None:  # no /proc: a fixed grace, where a model was used
+        if _tracked_any:
+            time.sleep(0.1)
+        return
+    if not found[0]:
+        return
+    deadline = time.monotonic() + EXIT_GRACE_MAX_S
+    time.sleep(EXIT_GRACE_S)
+    while time.monotonic() < deadline and (communication_threads() or (0, 0))[1]:
+        time.sleep(0.002)
