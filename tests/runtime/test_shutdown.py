@@ -37,7 +37,7 @@ def test_ranks_whose_last_line_is_a_collective_exit_cleanly(tmp_path: Path) -> N
     # Measured on 2 cores, torch 2.13.0, Python 3.11.7, "terminate called without an
     # active exception" (SIGABRT) in: the same script without "import distcompile": 34 of
     # 80 rank processes; with it but the handler's grace removed: 11 of 100 (three runs of
-    # this test); with the handler: 0 of 160. At 1 in 9, 40 processes pass by chance with
+    # this test); with the handler: 0 of 140. At 1 in 9, 40 processes pass by chance with
     # probability about 1%.
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     failures = []
