@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "COMM_THREAD_PREFIXES",
     "ddp_comm_hook_names",
     "ddp_ignored_names",
     "ddp_uses_python_reducer",
@@ -17,6 +18,10 @@ __all__ = [
     "tree_map_only",
     "write_summary",
 ]
+
+#: Names torch gives its communication threads (Linux thread names): gloo's work loops and
+#: transport loop, NCCL's watchdog and heartbeat. Checked: 2.11, 2.13, 2.15 (gloo).
+COMM_THREAD_PREFIXES = ("pt_gloo", "gloo_", "pt_nccl")
 
 
 # -- pytrees ---------------------------------------------------------------------------------

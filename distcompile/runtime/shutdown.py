@@ -32,6 +32,8 @@ import time
 import weakref
 from typing import Protocol
 
+from .. import _torch_compat as compat
+
 __all__ = ["EXIT_GRACE_MAX_S", "EXIT_GRACE_S", "communication_threads", "track", "untrack"]
 
 log = logging.getLogger(__name__)
@@ -39,8 +41,6 @@ log = logging.getLogger(__name__)
 #: The exit handler leaves the GIL free at least this long, and at most ``EXIT_GRACE_MAX_S``.
 EXIT_GRACE_S = 0.01
 EXIT_GRACE_MAX_S = 1.0
-#: Thread names torch gives its communication threads (gloo work loop and transport, NCCL).
-_COMM_THREAD_PREFIXES = ("pt_gloo", "gloo_", "pt_nccl")
 
 
 class _Closable(Protocol):
@@ -86,7 +86,7 @@ def communication_threads() -> tuple[int, int] | None:
         except OSError:
             continue  # the thread ended meanwhile
         name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        if name.startswith(_COMM_THREAD_PREFIXES):
+        if name.startswith(compat.COMM_THREAD_PREFIXES):
             alive += 1
             runnable += stat[stat.rindex(")") + 2] == "R"
     return alive, runnable
