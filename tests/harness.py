@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import socket
 import tempfile
 import time
 import traceback
@@ -16,7 +17,24 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["run_ranks", "RankFailure"]
+__all__ = ["child_env", "free_port", "run_ranks", "RankFailure"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process: this checkout importable first, plus ``extra``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class RankFailure(AssertionError):

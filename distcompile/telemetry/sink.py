@@ -169,8 +169,7 @@ class Telemetry:
         Returns the figures of the newest step written so far (``timed_step`` says which).
         """
         step = self._open
-        if step is None:
-            step = PendingStep(stats.step, time.perf_counter(), self.clock.mark())
+        assert step is not None, "end_step without begin_step"
         step.step, step.end, step.spans = stats.step, self.clock.mark(), self.timeline.finish()
         step.extra = (stats, self._compiled_this_step)
         self._open = None

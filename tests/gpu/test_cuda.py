@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distcompile
 from distcompile.models import GPT, GPTConfig, synthetic_batch
-from tests.harness import run_ranks
+from tests.harness import child_env, run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none found)")
 
@@ -223,13 +223,12 @@ def test_gpu_spans_are_event_times_inside_the_step(nccl_world_of_one, tmp_path) 
 
 @pytest.mark.timeout(1800)
 def test_gpu_benchmark_small_end_to_end(tmp_path) -> None:
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = child_env()
     cmd = [sys.executable, str(root / "benchmarks" / "overlap.py"), "--device", "cuda", "--small"]
     cmd += ["--rounds", "1", "--block", "3", "--warmup", "2", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1700, env=env, cwd=tmp_path)

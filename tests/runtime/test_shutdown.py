@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.harness import child_env, free_port
 
 _LAST_COLLECTIVES = """
 import os, sys
@@ -25,24 +24,16 @@ for _ in range(50):
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ranks_whose_last_line_is_a_collective_exit_cleanly(tmp_path: Path) -> None:
     # Measured on 2 cores, torch 2.13.0, Python 3.11.7, "terminate called without an
     # active exception" (SIGABRT) in: the same script without "import distcompile": 34 of
     # 80 rank processes; with it but the handler's grace removed: 11 of 100 (three runs of
     # this test); with the handler: 0 of 140. At 1 in 9, 40 processes pass by chance with
     # probability about 1%.
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = child_env()
     failures = []
     for run in range(20):
-        port = str(_free_port())
+        port = str(free_port())
         procs = [
             subprocess.Popen(
                 [sys.executable, "-c", _LAST_COLLECTIVES, str(rank), port],
@@ -92,7 +83,7 @@ def test_a_model_left_open_is_closed_at_exit(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=300,
-        env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"),
+        env=child_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "gradient hooks while training: 2" in proc.stdout, proc.stdout  # weight and bias

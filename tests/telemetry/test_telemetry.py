@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from distcompile.tools.cli import main as cli_main
 from tests import workers
-from tests.harness import run_ranks
+from tests.harness import free_port, run_ranks
 
 STEP_TAGS = ["step/time_ms", "step/exposed_comm_ms", "step/overlap_pct", "step/comm_ms", "comm/megabytes"]
 
@@ -91,15 +90,9 @@ def test_every_rank_its_own_run(tmp_path: Path) -> None:
         assert [e.step for e in _scalars(tmp_path / f"rank{r}").Scalars("step/time_ms")] == [0, 1, 2, 3]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tensorboard_server_lists_our_runs_and_tags(run) -> None:
     logdir, _ = run
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [
             sys.executable,

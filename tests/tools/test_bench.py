@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,12 +11,13 @@ import pytest
 import torch
 
 from distcompile.tools.bench.variants import CPU_DEFAULT
+from tests.harness import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench(tmp_path: Path, *args: str, timeout: float = 2300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = child_env()
     return subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "overlap.py"), *args, "--out-dir", str(tmp_path)],
         capture_output=True,

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.harness import child_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run ``python *args`` with the checkout importable and one thread per process."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    env["OMP_NUM_THREADS"] = "1"
+    env = child_env(OMP_NUM_THREADS="1")
     return subprocess.run(
         [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd
     )

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import child_env
+
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = int(os.environ.get("DISTCOMPILE_EXIT_RUNS", "2"))
 
@@ -21,12 +23,7 @@ def test_example_ranks_exit_zero_with_a_cold_cache_and_telemetry(tmp_path: Path,
     # The conditions the abort was reported under: the example trainer under torchrun,
     # Inductor with an empty compile cache (its compile workers start), telemetry on, and
     # the script ending normally (no os._exit).
-    env = dict(
-        os.environ,
-        PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        OMP_NUM_THREADS="1",
-        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cache"),
-    )
+    env = child_env(OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cache"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(ROOT / "examples" / "train_gpt.py"), "--distcompile", "--steps", "3", "--n-layer", "1"]
     cmd += ["--n-embd", "32", "--logdir", str(tmp_path / "tb")]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from distcompile.tools.bench.netns import can_make_namespaces, veth_pair
+from tests.harness import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = [
@@ -27,11 +28,7 @@ TRAIN = [
 
 
 def _env(**extra: str) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    env["OMP_NUM_THREADS"] = "1"
-    env.update(extra)
-    return env
+    return child_env(OMP_NUM_THREADS="1", **extra)
 
 
 def _digests(out: str) -> dict[int, str]:
