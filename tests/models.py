@@ -295,8 +295,62 @@ class OddStrides(nn.Module):
         return (self.head(wide) + pooled[:, :16]).view(8, 8, 64).mean(-1)
 
 
+class _Res(nn.Module):
+    def __init__(self, d: int, *, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:  # inside the block, as Hugging Face's gradient checkpointing does
+            return x + torch.utils.checkpoint.checkpoint(self._body, x, use_reentrant=False)
+        return x + self._body(x)
+
+
+class _Mix(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x)) * 0.5 + x
+
+
+class Repeats(nn.Module):
+    """Identical blocks (compiled once, reused) around a different one, then checkpointed ones.
+
+    ``layers`` is A, B, A, A: A's compiled pieces are last used after B's, so their lazily
+    compiled backwards must find their own metadata (Note [Repeated blocks]). Each A holds
+    more than the tests' 0.05 MiB bucket cap, so it is also cut inside, the same way in
+    each. ``tail`` blocks have another width and checkpoint their body.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, 64)  # so that every A block's input requires grad
+        self.layers = nn.ModuleList([_Res(64), _Mix(64), _Res(64), _Res(64)])
+        self.proj = nn.Linear(64, 32)
+        self.tail = nn.ModuleList([_Res(32, checkpointed=True) for _ in range(3)])
+        self.out = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        x = self.proj(x)
+        for layer in self.tail:
+            x = layer(x)
+        return self.out(x)
+
+
 BUILDERS.update(
     {
+        "repeats": Repeats,
         "compiler_disable": CompilerDisable,
         "disable_nonrecursive": DisableNonRecursive,
         "allow_in_graph": AllowInGraph,

@@ -79,6 +79,8 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
         "buffers": [b.clone() for b in ours.module.buffers()],
         "graphs": len(ours.graphs),
         "segments": [len(g.plan.segments) for g in ours.graphs],
+        "pieces": [len(g.plan.pieces) for g in ours.graphs],
+        "pieces_reused": [g.pieces_reused for g in ours.graphs],
         "fingerprints": [g.plan.fingerprint() for g in ours.graphs],
         "planned_by": [g.planned_by for g in ours.graphs],
         "last_step_buckets": ours.last_step.buckets,
@@ -367,7 +369,8 @@ def warm_restart(rank: int, world: int, model_name: str) -> dict:
         x, y = batch(model_name, rank, 0)
         loss_fn(model_name, model(x), y).backward()
         seen.append(dict(counters["aot_autograd"]))
-    return {"pieces": sum(len(g.plan.segments) for g in model.graphs), "first": seen[0], "second": seen[1]}
+    compiled = sum(len(g.plan.pieces) - g.pieces_reused for g in model.graphs)
+    return {"pieces": compiled, "first": seen[0], "second": seen[1]}
 
 
 def doctor_keywords_dropout(rank: int, world: int) -> dict:

@@ -15,9 +15,12 @@ __all__ = [
     "copy_dynamo_metadata",
     "fake_mode_of",
     "fake_module",
+    "is_fake",
     "piece_compiler_base",
     "piece_names",
     "record_piece_metadata",
+    "piece_metadata_count",
+    "reorder_piece_metadata",
     "saved_tensors_hooks_disabled",
     "to_fake",
 ]
@@ -111,6 +114,18 @@ def to_fake(value: object, fake_mode: Any) -> object:
     return value
 
 
+def is_fake(value: object) -> bool:
+    """Whether ``value`` is a fake tensor (an activation while compiling). Checked: 2.11-2.15.
+
+    Example:
+        >>> is_fake(torch.zeros(1))
+        False
+    """
+    from torch._subclasses import FakeTensor
+
+    return isinstance(value, FakeTensor)
+
+
 def fake_module(module: torch.nn.Module, fake_mode: Any) -> torch.nn.Module:
     """A copy of ``module`` whose parameters and buffers are fake tensors. Checked: 2.11-2.15.
 
@@ -167,3 +182,39 @@ def saved_tensors_hooks_disabled() -> contextlib.AbstractContextManager:
     from torch._dynamo.utils import _disable_saved_tensors_hooks_during_tracing
 
     return _disable_saved_tensors_hooks_during_tracing()
+
+
+def _ddp_ctx() -> Any:
+    tracing = torch._guards.TracingContext.try_get()
+    return None if tracing is None else getattr(tracing, "ddp_optimizer_ctx", None)
+
+
+def piece_metadata_count() -> int:
+    """How many pieces' AOTAutograd metadata the open compile holds (0 outside one). Checked: 2.13.
+
+    Example:
+        >>> piece_metadata_count()
+        0
+    """
+    ctx = _ddp_ctx()
+    return 0 if ctx is None else len(ctx.metadata_per_bucket)
+
+
+def reorder_piece_metadata(order: list[int]) -> None:
+    """Put the per-piece AOTAutograd metadata in the order the lazy backward compiles will pop it.
+
+    Inductor compiles each piece's backward at its first backward call and takes the
+    metadata from the end of the list (``_prepare_lazy_backward_context``), so the list
+    must run in ascending order of each compiled function's *last* forward use; ``order``
+    lists the current indices in the wanted order. Checked: 2.13 (the list is the one
+    ``record_piece_metadata`` appends to).
+
+    Example:
+        >>> reorder_piece_metadata([])  # outside a compile: nothing to reorder
+    """
+    ctx = _ddp_ctx()
+    if ctx is None or not order:
+        return
+    if sorted(order) != list(range(len(ctx.metadata_per_bucket))):
+        raise ValueError(f"order {order} is not a permutation of {len(ctx.metadata_per_bucket)} entries")
+    ctx.metadata_per_bucket[:] = [ctx.metadata_per_bucket[i] for i in order]

@@ -16,6 +16,7 @@ import torch
 from torch import fx
 
 from ..planning.plan import NodeInfo
+from .blocks import find_blocks
 
 __all__ = ["CapturedGraph", "read_graph", "own_forward_code"]
 
@@ -28,11 +29,13 @@ class CapturedGraph:
         body: The partitionable nodes (not placeholders, ``get_attr`` or output), in order.
         nodes: One :class:`NodeInfo` per body node.
         params: Trainable parameter name -> parameter, for the parameters the graph receives.
+        blocks: Groups of repeated blocks as body index ranges (``capture.blocks``).
     """
 
     body: tuple[fx.Node, ...]
     nodes: tuple[NodeInfo, ...]
     params: Mapping[str, torch.nn.Parameter]
+    blocks: tuple[tuple[tuple[int, int], ...], ...] = ()
 
 
 def _get_attr(gm: fx.GraphModule, qualname: str) -> object:
@@ -98,7 +101,7 @@ def read_graph(
             default=-1,
         )
         nodes.append(NodeInfo(node.name, tuple(reads), last_user))
-    return CapturedGraph(body=body, nodes=tuple(nodes), params=params)
+    return CapturedGraph(body=body, nodes=tuple(nodes), params=params, blocks=find_blocks(body))
 
 
 def own_forward_code(module: torch.nn.Module, tag: str) -> torch.nn.Module:

@@ -75,7 +75,8 @@ class GraphRecord:
         compile_s: Seconds spent planning, checking and compiling it on this rank
             (Inductor compiles the backward lazily, during the first backward).
         num_nodes: Partitionable nodes in the graph.
-        segment_compile_s: Forward compile seconds of each segment.
+        segment_compile_s: Forward compile seconds of each piece compiled (a piece that
+            reuses an identical sibling's compiled function takes no time and no entry).
         graph_break: Why TorchDynamo ended this graph early (``None`` if it ran to the
             end of the compiled function), with the user code location.
         recompile_reasons: Every failed guard, in TorchDynamo's order (one per cached
@@ -83,6 +84,8 @@ class GraphRecord:
         cache_hits: FX-graph and AOTAutograd cache hits while compiling it.
         planned_by: How the segments were chosen: the bucket caps, or the measured
             costs (``bucket_cap_mb="auto"``).
+        pieces_reused: Pieces (``plan.pieces``) that took the compiled function of an
+            identical earlier piece (a repeated block) instead of being compiled.
     """
 
     graph_id: int
@@ -94,6 +97,7 @@ class GraphRecord:
     recompile_reasons: tuple[str, ...] = ()
     cache_hits: int = 0
     planned_by: str = ""
+    pieces_reused: int = 0
 
     @property
     def recompile_reason(self) -> str | None:
@@ -188,7 +192,7 @@ class GraphCompiler:
             reasons = self._take_recompile_reasons()
             captured, plan, planned_by = self._plan(gm, example_inputs)
             self._agree(gm, example_inputs, plan, graph_id)
-            compiled, segment_s = self._compile(
+            compiled, segment_s, reused = self._compile(
                 gm, example_inputs, captured, plan, graph_id, planned_by, reasons
             )
             self._register(graph_id, plan)
@@ -202,6 +206,7 @@ class GraphCompiler:
                 recompile_reasons=reasons,
                 cache_hits=compat.compile_cache_hits() - hits_before,
                 planned_by=planned_by,
+                pieces_reused=reused,
             )
             compiled = self._record(record, compiled, t0)
         except DistCompileError:
@@ -246,6 +251,7 @@ class GraphCompiler:
             first_bucket_cap=t.first_bucket_cap,
             owned_elsewhere=owned,
             costs=costs,
+            blocks=captured.blocks,
         )
         if costs is not None and t.costs is not None:
             planned_by = f"measured costs: {t.costs.describe()}"
@@ -307,22 +313,24 @@ class GraphCompiler:
         graph_id: int,
         planned_by: str,
         reasons: tuple[str, ...],
-    ) -> tuple[Callable, list[float]]:
+    ) -> tuple[Callable, list[float], int]:
         cfg = self.target.config
+        pieces = len(plan.pieces or plan.segments)
         log.info(
-            "graph %d: %d nodes -> %d segment(s), %d bucket(s) (%s); compiling with %s%s",
+            "graph %d: %d nodes -> %d segment(s), %d bucket(s) (%s); compiling %d piece(s) with %s%s",
             graph_id,
             len(captured.nodes),
             len(plan.segments),
             len(plan.buckets),
             planned_by,
+            pieces,
             cfg.backend,
             f" (recompile: {'; '.join(reasons)})" if reasons else "",
         )
         segment_s: list[float] = []
 
         def timed_compiler(piece: fx.GraphModule, inputs: list) -> Callable:
-            self._doing = f"compiling segment {len(segment_s)} of {len(plan.segments)}"
+            self._doing = f"compiling piece {len(segment_s)} of {pieces}"
             start = time.perf_counter()
             try:
                 return self._compiler(piece, inputs)
@@ -330,7 +338,7 @@ class GraphCompiler:
                 segment_s.append(time.perf_counter() - start)
 
         self._doing = "splitting the graph into segments"
-        compiled = split_and_compile(
+        compiled, reused = split_and_compile(
             gm,
             example_inputs,
             captured=captured,
@@ -338,7 +346,7 @@ class GraphCompiler:
             compiler=timed_compiler,
             cacheable=cfg.backend == "inductor",
         )
-        return compiled, segment_s
+        return compiled, segment_s, reused
 
     def _register(self, graph_id: int, plan: Plan) -> None:
         self._doing = "registering the graph's buckets"
@@ -349,9 +357,10 @@ class GraphCompiler:
         self.records.append(record)
         t = self.target
         log.info(
-            "graph %d compiled in %.2f s (%d cache hit(s))%s",
+            "graph %d compiled in %.2f s (%d piece(s) reused from identical blocks, %d cache hit(s))%s",
             record.graph_id,
             record.compile_s,
+            record.pieces_reused,
             record.cache_hits,
             "; its backward compiles during the first backward" if t.config.backend != "eager" else "",
         )

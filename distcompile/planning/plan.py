@@ -52,6 +52,8 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from .repeats import Blocks, allowed_cuts, piece_bounds
+
 __all__ = ["NodeInfo", "Bucket", "Plan", "GraphCosts", "plan_graph", "DEFAULT_FIRST_BUCKET_BYTES"]
 
 #: DDP's first-bucket cap (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``).
@@ -126,6 +128,9 @@ class Plan:
         shared: Parameters read by more than one node, with their use count.
         foreign: Parameters read here but owned by an earlier graph.
         unused: Parameters given to the planner that no node reads.
+        pieces: ``(start, stop)`` node ranges compiled separately, a refinement of the
+            segments: each repeated block is its own piece, so identical blocks compile
+            once (Note [Repeated blocks]). Equal to ``segments`` without repeated blocks.
     """
 
     segments: tuple[tuple[int, int], ...]
@@ -134,6 +139,7 @@ class Plan:
     shared: Mapping[str, int]
     foreign: tuple[str, ...]
     unused: tuple[str, ...]
+    pieces: tuple[tuple[int, int], ...] = ()
 
     def segment_of(self, node_index: int) -> int:
         """Return the segment that holds node ``node_index``.
@@ -157,7 +163,7 @@ class Plan:
             16
         """
         blob = json.dumps(
-            [self.segments, [(b.segment, b.params, b.nbytes) for b in self.buckets]],
+            [self.segments, [(b.segment, b.params, b.nbytes) for b in self.buckets], self.pieces],
             sort_keys=True,
         )
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -195,6 +201,7 @@ def plan_graph(
     first_bucket_cap: int = DEFAULT_FIRST_BUCKET_BYTES,
     owned_elsewhere: Iterable[str] = (),
     costs: GraphCosts | None = None,
+    blocks: Blocks = (),
 ) -> Plan:
     """Plan segments and buckets for one forward graph (see Note [Planning segments and buckets together]).
 
@@ -206,6 +213,9 @@ def plan_graph(
         owned_elsewhere: Parameters bucketed by an earlier graph of the step.
         costs: Choose segments by simulating the schedule instead of by caps (the caps
             are then ignored).
+        blocks: Groups of structurally identical blocks as node ranges (from
+            ``capture.blocks``): segments are cut so that they stay identical, and each
+            becomes its own piece (Note [Repeated blocks]).
 
     Example:
         >>> nodes = [NodeInfo("l1", ("w1",), 1), NodeInfo("l2", ("w2",), 2)]
@@ -235,10 +245,12 @@ def plan_graph(
 
     n = len(nodes)
     firsts_bytes = [sum(param_bytes[p] for p in firsts_at.get(i, ())) for i in range(n)]
+    inner = [_inner_cuts(nodes, firsts_bytes, group[0], bucket_cap) for group in blocks]
+    allowed = allowed_cuts(n, blocks, inner) if blocks else None
     if costs is None:
-        starts = _starts_by_cap(nodes, firsts_bytes, bucket_cap, first_bucket_cap)
+        starts = _starts_by_cap(nodes, firsts_bytes, bucket_cap, first_bucket_cap, allowed)
     else:
-        starts = _starts_by_cost(nodes, firsts_bytes, costs)
+        starts = _starts_by_cost(nodes, firsts_bytes, costs, allowed)
     if len(starts) > 1:
         first_stop = starts[1]
         if not any(first_use[p] < first_stop for p in first_use):
@@ -262,13 +274,35 @@ def plan_graph(
         shared={p: c for p, c in uses.items() if c > 1},
         foreign=tuple(foreign),
         unused=tuple(p for p in param_bytes if p not in uses),
+        pieces=piece_bounds(n, starts, blocks, inner, [x.last_user for x in nodes]) if n else bounds,
     )
 
 
-def _starts_by_cap(
-    nodes: Sequence[NodeInfo], firsts_bytes: Sequence[int], bucket_cap: int, first_bucket_cap: int
+def _inner_cuts(
+    nodes: Sequence[NodeInfo], firsts_bytes: Sequence[int], block: tuple[int, int], bucket_cap: int
 ) -> list[int]:
-    # Walk in gradient order; `cuts` collects segment starts.
+    # Cuts inside a block, by the cap rule on the block alone; only a block holding more
+    # than a bucket gets any. Offsets are relative to the block's start.
+    start, stop = block
+    if sum(firsts_bytes[start:stop]) <= bucket_cap:
+        return []
+    local = [
+        NodeInfo(x.name, x.params, x.last_user - start if x.last_user < stop else stop - start)
+        if x.last_user >= 0
+        else x
+        for x in nodes[start:stop]
+    ]
+    return _starts_by_cap(local, firsts_bytes[start:stop], bucket_cap, bucket_cap)[1:]
+
+
+def _starts_by_cap(
+    nodes: Sequence[NodeInfo],
+    firsts_bytes: Sequence[int],
+    bucket_cap: int,
+    first_bucket_cap: int,
+    allowed: set[int] | None = None,
+) -> list[int]:
+    # Walk in gradient order; `cuts` collects segment starts (only at `allowed` positions).
     n = len(nodes)
     cuts: list[int] = []
     seg_end = n
@@ -276,7 +310,7 @@ def _starts_by_cap(
     has_external_output = False
     for i in range(n - 1, -1, -1):
         cap = first_bucket_cap if not cuts else bucket_cap
-        if seg_bytes >= cap and has_external_output:
+        if seg_bytes >= cap and has_external_output and (allowed is None or i + 1 in allowed):
             cuts.append(i + 1)
             seg_end = i + 1
             seg_bytes = 0
@@ -293,20 +327,27 @@ _MAX_CANDIDATES = 96
 _MAX_SEGMENTS = 32
 
 
-def _starts_by_cost(nodes: Sequence[NodeInfo], firsts_bytes: Sequence[int], costs: GraphCosts) -> list[int]:
+def _starts_by_cost(
+    nodes: Sequence[NodeInfo], firsts_bytes: Sequence[int], costs: GraphCosts, allowed: set[int] | None = None
+) -> list[int]:
     n = len(nodes)
     if len(costs.node_backward_s) != n:
         raise ValueError(f"costs give {len(costs.node_backward_s)} node times for {n} nodes")
     if not costs.bytes_per_s > 0 or costs.latency_s < 0:
         raise ValueError(f"need bytes_per_s > 0 and latency_s >= 0, got {costs!r}")
-    cands = [i for i in range(1, n) if firsts_bytes[i] > 0]
+    if allowed is None:
+        cands = [i for i in range(1, n) if firsts_bytes[i] > 0]
+    else:  # an allowed start is worth trying if parameters are first read before the next one
+        marks = sorted(p for p in allowed if 0 < p < n)
+        cands = [p for p, q in zip(marks, [*marks[1:], n]) if any(firsts_bytes[p:q])]
     if len(cands) > _MAX_CANDIDATES:  # keep the starts where cumulative bytes cross even steps
-        total = sum(firsts_bytes)
-        kept, acc, step = [], 0, total / _MAX_CANDIDATES
-        for i in range(n):
-            if firsts_bytes[i] > 0 and i > 0 and acc >= step * (len(kept) + 1):
+        step = sum(firsts_bytes) / _MAX_CANDIDATES
+        kept, acc, prev = [], 0, 0
+        for i in cands:
+            acc += sum(firsts_bytes[prev:i])
+            prev = i
+            if acc >= step * (len(kept) + 1):
                 kept.append(i)
-            acc += firsts_bytes[i]
         cands = kept
     points = [0, *cands, n]
     m = len(points) - 1

@@ -101,6 +101,6 @@ def test_failure_inside_torch_compile_names_graph_segment_version_and_ladder(sin
     with pytest.raises(distcompile.CompileError) as info:
         model(torch.randn(2, 4))
     text = str(info.value)
-    assert "compiling segment 0 of 1 of graph 0" in text and f"torch {torch.__version__}" in text, text
+    assert "compiling piece 0 of 1 of graph 0" in text and f"torch {torch.__version__}" in text, text
     assert "no autograd formula" in text and "backend='eager'" in text, text
     assert isinstance(info.value.__cause__, RuntimeError)  # torch's own traceback stays chained

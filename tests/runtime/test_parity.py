@@ -114,6 +114,20 @@ def test_parity_inductor_strides_across_pieces(model: str) -> None:
 
 
 @pytest.mark.slow
+def test_parity_inductor_repeated_blocks_compiled_once() -> None:
+    """Identical blocks share one compiled function (Note [Repeated blocks]) and still match DDP.
+
+    ``repeats`` has A, B, A, A blocks (A cut inside as well) and three checkpointed tail
+    blocks: A's pieces are reused though B was compiled in between, so each lazily compiled
+    backward must take its own metadata; a mix-up fails here (or computes wrong gradients).
+    """
+    results = run_ranks(workers.parity, 2, "repeats", "inductor", timeout=900)
+    _check(results, TOL["inductor"])
+    # The 2nd and 3rd A reuse the 1st A's 2 pieces; tail blocks 1-2 reuse block 0's piece.
+    assert results[0]["pieces_reused"] == [6], results[0]
+
+
+@pytest.mark.slow
 def test_warm_restart_reuses_compiled_pieces() -> None:
     """A second compile of the same model loads every piece from AOTAutograd's cache."""
     for res in run_ranks(workers.warm_restart, 2, "odd_strides", timeout=900):

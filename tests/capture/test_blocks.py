@@ -1,0 +1,51 @@
+"""Finding repeated blocks in a TorchDynamo graph (one process, capture only)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from distcompile.capture.graph import read_graph
+from distcompile.models import GPT, GPTConfig
+from tests.models import Repeats, mlp_seq
+
+
+def _blocks(model: nn.Module, *inputs: torch.Tensor):
+    names = {id(p): n for n, p in model.named_parameters()}
+    seen = []
+
+    def backend(gm, example_inputs):  # noqa: ANN001, ANN202 - a TorchDynamo backend
+        seen.append(read_graph(gm, example_inputs, names))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(*inputs)
+    (captured,) = seen
+    return captured
+
+
+def test_transformer_layers_are_one_group() -> None:
+    captured = _blocks(
+        GPT(GPTConfig(n_layer=5, n_embd=32, vocab_size=64, block_size=8)), torch.zeros(2, 8).long()
+    )
+    (group,) = captured.blocks
+    assert len(group) == 5
+    sizes = {stop - start for start, stop in group}
+    assert len(sizes) == 1 and sizes.pop() > 10
+    for (_, stop), (start, _) in zip(group, group[1:]):
+        assert stop == start  # back to back, nothing between the layers
+    for k, (start, stop) in enumerate(group):  # each range holds exactly layer k's nodes
+        stacks = {str(list(n.meta["nn_module_stack"].values())[0][0]) for n in captured.body[start:stop]}
+        assert stacks == {f"L['self'].blocks.{k}"}, stacks
+
+
+def test_groups_by_class_and_container_and_checkpointed_blocks() -> None:
+    captured = _blocks(Repeats(), torch.zeros(8, 64))
+    assert [len(g) for g in captured.blocks] == [3, 3]  # layers 0, 2, 3 (not the _Mix); tail 0-2
+
+
+def test_leaf_modules_of_a_sequential_are_not_blocks() -> None:
+    # Sequential(Linear, ReLU) children are blocks; a bare Linear/ReLU chain has none.
+    assert len(_blocks(mlp_seq(), torch.zeros(2, 64)).blocks) == 1
+    chain = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+    assert _blocks(chain, torch.zeros(2, 8)).blocks == ()
