@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import fx, nn
 
+import distcompile
 from distcompile.compile.reuse import backward_order, piece_key
+from distcompile.models import GPT, GPTConfig
 
 
 class _Scale(nn.Module):
@@ -73,3 +76,22 @@ def test_backward_order_follows_last_forward_use() -> None:
     # Backward compiles pop from the end: A (last used at 5) first, then the piece at 4, then B;
     # C never runs backward and never pops.
     assert [entries[i][0] for i in order] == ["C", "B", None, "A"]
+
+
+@pytest.mark.slow
+def test_compiled_pieces_do_not_grow_with_depth(single_rank_group) -> None:  # noqa: ANN001
+    """A GPT of 2 and of 6 identical blocks compiles the same number of pieces under Inductor."""
+    compiled = []
+    for layers in (2, 6):
+        torch._dynamo.reset()
+        model = distcompile.wrap(
+            GPT(GPTConfig(n_layer=layers, n_embd=32, n_head=2, vocab_size=64, block_size=8)),
+            backend="inductor",
+        )
+        x = torch.randint(0, 64, (2, 8))
+        GPT.loss(model(x), x).backward()
+        (graph,) = model.graphs
+        assert len(graph.plan.pieces) >= layers + 1 and graph.pieces_reused == layers - 1, graph
+        compiled.append(len(graph.plan.pieces) - graph.pieces_reused)
+        model.close()
+    assert compiled[0] == compiled[1], compiled

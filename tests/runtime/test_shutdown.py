@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.harness import child_env, free_port
 
 _LAST_COLLECTIVES = """
@@ -24,6 +26,7 @@ for _ in range(50):
 """
 
 
+@pytest.mark.long
 def test_ranks_whose_last_line_is_a_collective_exit_cleanly(tmp_path: Path) -> None:
     # Measured on 2 cores, torch 2.13.0, Python 3.11.7, "terminate called without an
     # active exception" (SIGABRT) in: the same script without "import distcompile": 34 of

@@ -28,6 +28,7 @@ def _bench(tmp_path: Path, *args: str, timeout: float = 2300) -> subprocess.Comp
     )
 
 
+@pytest.mark.long
 @pytest.mark.timeout(2400)  # every variant also starts twice alone (cold and warm cache): minutes
 def test_benchmark_end_to_end_on_loopback(tmp_path: Path) -> None:
     proc = _bench(tmp_path, "--small", "--rounds", "1", "--block", "2", "--warmup", "1")
@@ -48,6 +49,7 @@ def test_benchmark_end_to_end_on_loopback(tmp_path: Path) -> None:
     assert "vs floor" in proc.stdout
 
 
+@pytest.mark.long
 def test_opt_in_variants_run_on_cpu(tmp_path: Path) -> None:
     # The compiled model without DDP and FSDP2 on a replicate mesh run on gloo too.
     names = "ddp,compile_noddp,fsdp_replicate"
@@ -72,3 +74,25 @@ def test_cuda_mode_without_a_gpu_is_refused_with_the_fix(tmp_path: Path) -> None
     proc = _bench(tmp_path, "--small", "--variants", "ddp,dc_cudagraphs", timeout=120)
     assert proc.returncode == 2 and "need CUDA graphs" in proc.stderr and "--device cuda" in proc.stderr
     assert not list(tmp_path.glob("*.json"))
+
+
+@pytest.mark.long
+def test_compile_scaling_mode_writes_table_and_json(tmp_path: Path) -> None:
+    proc = _bench(
+        tmp_path, "--compile-scaling", "--small", "--depths", "2,4", "--variants", "regional,dc_inductor"
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (js,) = tmp_path.glob("*-compile-scaling-small.json")
+    rows = json.loads(js.read_text())["rows"]
+    assert [(r["layers"], r["variant"]) for r in rows] == [
+        (2, "regional"),
+        (2, "dc_inductor"),
+        (4, "regional"),
+        (4, "dc_inductor"),
+    ]
+    for r in rows:
+        assert "error" not in r and r["cold_first_step_s"] > 0 and r["warm_first_step_s"] > 0, r
+        assert r["recompile_s"] > 0, r
+    dc = [r for r in rows if r["variant"] == "dc_inductor"]
+    assert dc[0]["pieces_compiled"] == dc[1]["pieces_compiled"], dc  # twice the layers, no more compiles
+    assert "cold vs regional" in proc.stdout and js.with_suffix(".md").exists()

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNS = int(os.environ.get("DISTCOMPILE_EXIT_RUNS", "2"))
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("run", range(RUNS))
 def test_example_ranks_exit_zero_with_a_cold_cache_and_telemetry(tmp_path: Path, run: int) -> None:
     # The conditions the abort was reported under: the example trainer under torchrun,

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 
 from .netns import can_make_namespaces, veth_pair
 from .report import report_markdown, table
+from .scaling import SCALING_DEFAULT, run_scaling
 from .variants import CPU_DEFAULT, CUDA_DEFAULT, CUDA_ONLY, VARIANTS
 
 __all__ = ["main"]
@@ -184,6 +185,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the cold and warm first steps and peak RSS (each variant alone, in new processes)",
     )
+    p.add_argument(
+        "--compile-scaling",
+        action="store_true",
+        help="instead of step times: cold and warm first step, and a recompile after a sequence-length "
+        "change, against depth (--depths), each variant alone with its own empty compile cache",
+    )
+    p.add_argument("--depths", default="2,8,16,32", help="layer counts of the compile-scaling mode")
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -193,6 +201,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     p.add_argument("--first-step-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--recompile", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -205,7 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     if args.variants is None:
-        args.variants = ",".join(CUDA_DEFAULT if args.device == "cuda" else CPU_DEFAULT)
+        default = (
+            SCALING_DEFAULT
+            if args.compile_scaling
+            else CUDA_DEFAULT
+            if args.device == "cuda"
+            else CPU_DEFAULT
+        )
+        args.variants = ",".join(default)
     names = [n for n in args.variants.split(",") if n]
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
@@ -218,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(args, names)
         return 0
 
+    if args.compile_scaling:
+        return run_scaling(args, names, _launch, argv if argv is not None else sys.argv[1:])
     common = [
         "--variants",
         ",".join(names),

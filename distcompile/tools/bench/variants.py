@@ -28,6 +28,7 @@ VARIANTS = {
     "compile_ddpopt": "torch.compile(DDP), DDPOptimizer",
     "compile_ddpopt_cg": "torch.compile(DDP, mode='reduce-overhead'): DDPOptimizer, CUDA graphs",
     "compile_noopt": "torch.compile(DDP), optimize_ddp=False",
+    "regional": "each block torch.compile'd, eager DDP around it (regional compilation)",
     "compiled_autograd": "torch.compile + compiled autograd, python reducer",
     "fsdp_replicate": "fully_shard on a (world, 1) replicate mesh, each block compiled",
     "dc_aot_eager": "distcompile, aot_eager",
@@ -49,6 +50,7 @@ CUDA_DEFAULT = (
     "ddp",
     "compile_ddpopt",
     "compile_ddpopt_cg",
+    "regional",
     "compiled_autograd",
     "fsdp_replicate",
     "dc_inductor",
@@ -136,8 +138,13 @@ def _model(w: Workload, name: str) -> torch.nn.Module:
     if name == "fsdp_replicate":
         return _fsdp_replicate(w, name)
     cap = {"bucket_cap_mb": w.args.bucket_cap_mb} if w.args.bucket_cap_mb else {}
-    ddp = DDP(w.fresh(name), device_ids=[w.device.index] if w.cuda else None, **cap)
-    if name in ("ddp", "ddp_fp16"):
+    model = w.fresh(name)
+    if name == "regional":  # one backend object: every block after the first reuses its code
+        backend = _distinct_inductor()
+        for block in model.blocks:
+            block.compile(backend=backend)
+    ddp = DDP(model, device_ids=[w.device.index] if w.cuda else None, **cap)
+    if name in ("ddp", "ddp_fp16", "regional"):
         if name == "ddp_fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return ddp
@@ -164,8 +171,9 @@ def _fsdp_replicate(w: Workload, name: str) -> torch.nn.Module:
 
     mesh = init_device_mesh(w.device.type, (w.world, 1), mesh_dim_names=("replicate", "shard"))
     model = w.fresh(name)
+    backend = _distinct_inductor()  # one object for all blocks, or each block recompiles
     for block in model.blocks:
-        block.compile(backend=_distinct_inductor())
+        block.compile(backend=backend)
         fully_shard(block, mesh=mesh)
     return fully_shard(model, mesh=mesh)
 

@@ -94,6 +94,9 @@ def _build_all(w: Workload, names: list[str], results: dict[str, dict]) -> list[
             continue
         v.warm = True
         results[name] = {"first_step_s": first, "rss_mb": _rss_mb() - rss0}
+        if w.args.recompile:  # the compile-scaling mode: a shape change, then one step (recompiles)
+            w.shorter()
+            results[name]["recompile_s"] = _first_step(w, v)
         if w.args.first_step_only:  # this process built only this variant: its peak is the variant's
             gpu_mb = torch.cuda.max_memory_allocated() / 2**20 if w.cuda else 0.0
             peak = torch.tensor([_rss_mb(), gpu_mb], dtype=torch.float64, device=w.device)
@@ -107,6 +110,8 @@ def _build_all(w: Workload, names: list[str], results: dict[str, dict]) -> list[
                 "planned_by": [g.planned_by for g in graphs],
                 "buckets_mb": [round(b.nbytes / 1e6, 2) for g in graphs for b in g.plan.buckets],
                 "segments": sum(len(g.plan.segments) for g in graphs),
+                "pieces": sum(len(g.plan.pieces) for g in graphs),
+                "pieces_reused": sum(g.pieces_reused for g in graphs),
                 "cache_hits": sum(g.cache_hits for g in graphs),
             }
         w.say(f"{name}: first step {first:.2f} s")

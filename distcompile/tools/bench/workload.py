@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,8 @@ class Workload:
             cfg, batch = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768), 8
         else:
             cfg, batch = GPTConfig(vocab_size=8192, block_size=128, n_layer=4, n_head=4, n_embd=256), 8
+        if getattr(args, "layers", None):  # the compile-scaling mode varies depth
+            cfg = dataclasses.replace(cfg, n_layer=args.layers)
         data = [synthetic_batch(cfg, batch_size=batch, step=s, rank=rank, device=device) for s in range(8)]
         nparams = sum(p.numel() for p in GPT(cfg).parameters())
         return cls(args, rank, world, cfg, batch, data, nparams, device)
@@ -74,6 +77,11 @@ class Workload:
         """The next batch of this rank's cycle."""
         self._served += 1
         return self.data[self._served % len(self.data)]
+
+    def shorter(self) -> None:
+        """Halve every batch's sequence length (a shape change: the compiled variants recompile)."""
+        half = self.cfg.block_size // 2
+        self.data = [(x[:, :half].contiguous(), y[:, :half].contiguous()) for x, y in self.data]
 
     def fresh(self, tag: str = "plain") -> torch.nn.Module:
         """A new model with the seed-0 weights and a private forward code object named by ``tag``."""
