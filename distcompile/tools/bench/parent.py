@@ -206,14 +206,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark (parent) or one rank of it (``--worker``).
-
-    Example:
-        >>> # python benchmarks/overlap.py --link 1gbit      # or: distcompile bench --link 1gbit
-    """
-    p = _parser()
-    args = p.parse_args(argv)
+def _variant_names(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     if args.variants is None:
         default = (
             SCALING_DEFAULT
@@ -227,6 +220,18 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
         p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (parent) or one rank of it (``--worker``).
+
+    Example:
+        >>> # python benchmarks/overlap.py --link 1gbit      # or: distcompile bench --link 1gbit
+    """
+    p = _parser()
+    args = p.parse_args(argv)
+    names = _variant_names(p, args)
     if not args.worker:
         _check_device(p, args, names)
     if args.worker:
