@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Iterator
 
 from .netns import can_make_namespaces, veth_pair
-from .report import report_markdown, table
+from .report import report_markdown, table, write_results
 from .scaling import SCALING_DEFAULT, run_scaling
 from .variants import CPU_DEFAULT, CUDA_DEFAULT, CUDA_ONLY, VARIANTS
 
@@ -289,15 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = table(res)
     print("\n" + text)
-    os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(
-        args.out_dir, f"{res['meta']['date']}-overlap-{link}" + ("-small" if args.small else "")
-    )
-    with open(stem + ".json", "w") as f:
-        json.dump(res, f, indent=2)
-    with open(stem + ".md", "w") as f:
-        f.write(report_markdown(res))
-    print(f"\n[bench] wrote {stem}.json and {stem}.md")
+    name = f"{res['meta']['date']}-overlap-{link}" + ("-small" if args.small else "")
+    write_results(args.out_dir, name, res, report_markdown(res))
     return 0
 
 

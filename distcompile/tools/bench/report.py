@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
-__all__ = ["gpu_table", "report_markdown", "table"]
+__all__ = ["gpu_table", "report_markdown", "table", "write_results"]
+
+
+def write_results(out_dir: str, name: str, data: dict, markdown: str) -> str:
+    """Write ``out_dir/name.json`` and ``out_dir/name.md``; return the path without suffix.
+
+    Example:
+        >>> # stem = write_results("benchmarks/results", "2026-11-23-overlap-1gbit", res, md)
+    """
+    import json
+    import os
+
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, name)
+    with open(stem + ".json", "w") as f:
+        json.dump(data, f, indent=2)
+    with open(stem + ".md", "w") as f:
+        f.write(markdown)
+    print(f"\n[bench] wrote {stem}.json and {stem}.md")
+    return stem
 
 
 def _fmt(x: float | None, unit: str = "", nd: int = 1) -> str:

@@ -15,6 +15,8 @@ import os
 import tempfile
 from collections.abc import Callable
 
+from .report import write_results
+
 __all__ = ["SCALING_DEFAULT", "run_scaling", "scaling_table"]
 
 #: The variants of the compile-scaling mode, unless --variants names others.
@@ -118,21 +120,15 @@ def run_scaling(args: argparse.Namespace, names: list[str], launch: Callable, ar
     meta["command"] = " ".join(["distcompile bench", *argv])
     text = scaling_table(rows)
     print("\n" + text)
-    os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(
-        args.out_dir, f"{meta.get('date', 'undated')}-compile-scaling" + ("-small" if args.small else "")
+    name = f"{meta.get('date', 'undated')}-compile-scaling" + ("-small" if args.small else "")
+    markdown = (
+        f"# Compile scaling, {meta.get('date')}\n\n"
+        f"Command: `{meta['command']}`\n\n"
+        + "".join(f"- {k}: {v}\n" for k, v in meta.items() if k not in ("command", "date"))
+        + "\nEach row: the variant alone in new rank processes. cold: empty compile cache of its own "
+        "(capture, compile, one step); recompile: then one step at half the sequence length; warm: "
+        "new processes with the cache the cold run filled. Seconds of the slower rank.\n\n"
+        f"```\n{text}\n```\n"
     )
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    with open(stem + ".md", "w") as f:
-        f.write(
-            f"# Compile scaling, {meta.get('date')}\n\n"
-            f"Command: `{meta['command']}`\n\n"
-            + "".join(f"- {k}: {v}\n" for k, v in meta.items() if k not in ("command", "date"))
-            + "\nEach row: the variant alone in new rank processes. cold: empty compile cache of its own "
-            "(capture, compile, one step); recompile: then one step at half the sequence length; warm: "
-            "new processes with the cache the cold run filled. Seconds of the slower rank.\n\n"
-            f"```\n{text}\n```\n"
-        )
-    print(f"\n[bench] wrote {stem}.json and {stem}.md")
+    write_results(args.out_dir, name, {"meta": meta, "rows": rows}, markdown)
     return 0
