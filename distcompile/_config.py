@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import os
 from dataclasses import dataclass
 
 from ._errors import ConfigError
@@ -47,10 +49,15 @@ class Config:
             model's setting (``False`` for a plain module).
         broadcast_buffers: Broadcast buffers from rank 0 before each training forward,
             as DDP does. ``None`` takes the DDP model's setting (``True`` for a plain module).
-        mode: Passed through to ``torch.compile`` for the inductor backend
-            (e.g. ``"max-autotune-no-cudagraphs"``).
+        mode: Inductor's preset, as in ``torch.compile`` (``"default"``,
+            ``"max-autotune-no-cudagraphs"``, ...; inductor backend only). CUDA graphs
+            follow ``cudagraphs`` alone, so ``"max-autotune"`` runs without them unless
+            ``cudagraphs=True``, and ``"reduce-overhead"`` (which means CUDA graphs) is
+            spelled ``cudagraphs=True``.
         fullgraph: Raise if TorchDynamo has to break the graph, as in ``torch.compile``.
-        dynamic: Passed through to ``torch.compile`` (``None``: automatic dynamic shapes).
+        dynamic: As in ``torch.compile``: ``None`` (automatic: a shape that changes is
+            recompiled once as dynamic), ``True`` (every dimension dynamic from the first
+            compile) or ``False`` (never dynamic: every new shape recompiles).
         cudagraphs: Record each segment in a CUDA graph. CUDA only.
         recompile: ``"allow"`` recompiles (each one is logged with the guard that
             failed) or ``"error"``: after the first synchronized step, a recompile raises
@@ -90,12 +97,16 @@ class Config:
     check_params: bool = True
     detect_nonfinite: bool = False
     desync_timeout_s: float = 60.0
-    logdir: str | None = None
+    logdir: str | os.PathLike | None = None
     trace_every: int = 10
     figure_every: int = 200
     telemetry_all_ranks: bool = False
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            _check_type(field.name, getattr(self, field.name), str(field.type))
+        if self.logdir is not None:  # one spelling downstream; a pathlib.Path is welcome here
+            object.__setattr__(self, "logdir", os.fspath(self.logdir))
         if self.backend not in BACKENDS:
             raise ConfigError(
                 f"backend={self.backend!r} is not one of {BACKENDS}; distcompile compiles each "
@@ -137,6 +148,25 @@ class Config:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 0 (0 turns it off).")
         if self.cudagraphs and self.backend != "inductor":
             raise ConfigError(f"cudagraphs=True needs backend='inductor', got backend={self.backend!r}.")
+        if self.mode is not None:
+            self._check_mode()
+
+    def _check_mode(self) -> None:
+        from ._torch_compat import inductor_modes  # imports Inductor: only when a mode is given
+
+        if self.backend != "inductor":
+            raise ConfigError(
+                f"mode={self.mode!r} is an Inductor preset and backend={self.backend!r} does not use it. "
+                "Drop mode= (or use backend='inductor')."
+            )
+        if self.mode == "reduce-overhead":
+            raise ConfigError(
+                "mode='reduce-overhead' means CUDA graphs, which distcompile records per segment: pass "
+                "cudagraphs=True instead (CUDA models only)."
+            )
+        modes = inductor_modes()
+        if self.mode not in modes:
+            raise ConfigError(f"mode={self.mode!r} is not one of Inductor's presets {sorted(modes)}.")
 
     def replace(self, **changes: object) -> Config:
         """Return a copy with ``changes`` applied (and validated).
@@ -150,3 +180,28 @@ class Config:
         if unknown:
             raise ConfigError(f"unknown option(s) {unknown}; valid options are {sorted(fields)}.")
         return dataclasses.replace(self, **changes)
+
+
+#: Annotation name -> (accepted types, how the error message says it).
+_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "bool": ((bool,), "True/False"),
+    "int": ((numbers.Integral,), "an integer"),
+    "float": ((numbers.Real,), "a number"),
+    "str": ((str,), "a string"),
+    "None": ((type(None),), "None"),
+    "os.PathLike": ((os.PathLike,), "a path"),
+}
+
+
+def _check_type(name: str, value: object, annotation: str) -> None:
+    # The annotation is the contract ("float | str | None"); ``bool`` is an int to Python,
+    # but ``bucket_cap_mb=True`` or ``trace_every=False`` is a mistake, not a number.
+    names = [n.strip() for n in annotation.split("|")]
+    allowed = tuple(t for n in names for t in _TYPES[n][0])
+    is_bool = isinstance(value, bool)
+    if isinstance(value, allowed) and (not is_bool or "bool" in names):
+        return
+    raise ConfigError(
+        f"{name}={value!r} ({type(value).__name__}) has the wrong type: {name} takes "
+        f"{' or '.join(_TYPES[n][1] for n in names)}."
+    )

@@ -46,6 +46,8 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
         wrap_kwargs["compression"] = "bf16"
     if case == "auto":
         wrap_kwargs["bucket_cap_mb"] = "auto"
+    if case in _DYNAMIC:
+        wrap_kwargs["dynamic"] = _DYNAMIC[case]
     if case == "fp16_hook":
         ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
         ours_ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -59,6 +61,8 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
             total = 0.0
             for m in range(micro):
                 x, y = batch(model_name, rank, step * micro + m)
+                if case in _DYNAMIC:  # sequence lengths 16, 9, 12, 16, ...
+                    x, y = _seq_len(x, y, (16, 9, 12)[step % 3], mark=case == "mark_dynamic")
                 ctx = model.no_sync() if m < micro - 1 else _null()
                 amp = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else _null()
                 with ctx, amp:
@@ -93,6 +97,18 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
         with torch.no_grad():
             result["eval"] = (ref(x), ours(x))
     return result
+
+
+#: Parity cases of variable sequence length -> wrap's ``dynamic``.
+_DYNAMIC = {"dynamic_true": True, "dynamic_false": False, "dynamic_auto": None, "mark_dynamic": None}
+
+
+def _seq_len(x: torch.Tensor, y: torch.Tensor, n: int, *, mark: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = x[:, :n].contiguous(), y[:, :n].contiguous()
+    if mark:
+        torch._dynamo.mark_dynamic(x, 1)
+        torch._dynamo.mark_dynamic(y, 1)
+    return x, y
 
 
 def _error_text(exc_type: type[BaseException], fn) -> str:  # noqa: ANN001

@@ -17,11 +17,13 @@ __all__ = [
     "compile_cache_hits",
     "compile_module",
     "compiled_autograd",
+    "dynamo_control_flow",
     "graph_break_parts",
     "inductor_cache_dir",
     "inductor_compiler",
     "inductor_fallback_random",
     "inductor_keeps_output_strides",
+    "inductor_modes",
     "is_compiled_module",
     "lookup_backend",
     "set_optimize_ddp",
@@ -105,6 +107,21 @@ def inductor_compiler(*, mode: str | None, dynamic: bool | None, cudagraphs: boo
     return functools.partial(compile_fx, config_patches=patches)
 
 
+def inductor_modes() -> frozenset[str]:
+    """The ``mode`` presets Inductor knows in this torch release.
+
+    Checked: 2.13 (``torch._inductor.list_mode_options()``: default, lite, reduce-overhead,
+    max-autotune, max-autotune-no-cudagraphs).
+
+    Example:
+        >>> "max-autotune-no-cudagraphs" in inductor_modes()
+        True
+    """
+    from torch._inductor import list_mode_options
+
+    return frozenset(list_mode_options())
+
+
 def inductor_fallback_random() -> contextlib.AbstractContextManager:
     """A context in which Inductor compiles random ops with eager's generator (same draws).
 
@@ -171,6 +188,24 @@ def backend_failure_cause(exc: BaseException) -> BaseException | None:
     if isinstance(exc, BackendCompilerFailed):
         return getattr(exc, "inner_exception", None) or exc.__cause__
     return None
+
+
+def dynamo_control_flow() -> tuple[type[BaseException], ...]:
+    """Exception types TorchDynamo raises to steer its own tracing (restart, skip the frame).
+
+    They reach a backend while it compiles (AOTAutograd's scalar-tensorifying pass raises
+    ``TensorifyScalarRestartAnalysis`` under ``dynamic=True``) and must go back to TorchDynamo
+    untouched: it catches them, retraces and calls the backend again.
+
+    Checked: 2.13 (``torch._dynamo.exc.RestartAnalysis``, ``SkipFrame``; both date from torch 2.0).
+
+    Example:
+        >>> any(issubclass(ValueError, t) for t in dynamo_control_flow())
+        False
+    """
+    from torch._dynamo.exc import RestartAnalysis, SkipFrame
+
+    return (RestartAnalysis, SkipFrame)
 
 
 def graph_break_parts(gm: fx.GraphModule) -> tuple[str, list] | None:

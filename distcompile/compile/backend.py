@@ -10,7 +10,9 @@
 6. ``_record``: a ``GraphRecord``, the log lines, and the observer (telemetry).
 
 Any exception from inside torch becomes a ``CompileError`` naming the step, the graph,
-the backend, the torch version and the next step down the debugging ladder.
+the backend, the torch version and the next step down the debugging ladder, except
+TorchDynamo's own control flow (``compat.dynamo_control_flow``: "restart the trace",
+"skip this frame"), which goes back to TorchDynamo untouched; it calls the backend again.
 """
 
 from __future__ import annotations
@@ -171,6 +173,7 @@ class GraphCompiler:
         self.records: list[GraphRecord] = []
         self._guard_failures: list[str] = []
         self._doing = ""
+        self._calls = 0
         self._compiler = inner_compiler(
             config.backend, mode=config.mode, cudagraphs=config.cudagraphs, dynamic=config.dynamic
         )
@@ -185,6 +188,7 @@ class GraphCompiler:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         graph_id = len(self.records)
+        self._calls += 1  # a restarted trace calls again for the same graph_id
         self._doing = "reading the captured graph"
         try:
             t0 = time.perf_counter()
@@ -209,7 +213,7 @@ class GraphCompiler:
                 pieces_reused=reused,
             )
             compiled = self._record(record, compiled, t0)
-        except DistCompileError:
+        except (DistCompileError, *compat.dynamo_control_flow()):
             raise
         except Exception as exc:
             cfg = self.target.config
@@ -296,7 +300,8 @@ class GraphCompiler:
         ]
         check_agreement(
             default_store(),
-            f"{t.store_prefix}/graph{graph_id}",
+            # Keyed by call: a retrace (TorchDynamo's restart) publishes its graph afresh.
+            f"{t.store_prefix}/call{self._calls}",
             f"inputs: {shapes}\n{gm.code.strip()}\nplan:\n{plan.describe()}",
             rank=t.rank,
             ranks=list(t.ranks),
