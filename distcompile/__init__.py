@@ -25,6 +25,7 @@ from .diagnostics.explain import ExplainedGraph, Explanation, explain
 from .planning.plan import Bucket, NodeInfo, Plan, plan_graph
 from .runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .runtime.module import DistCompiledModule
+from .runtime.nesting import unwrap
 
 __all__ = [
     "Bucket",
@@ -52,6 +53,7 @@ __all__ = [
     "load_checkpoint",
     "plan_graph",
     "save_checkpoint",
+    "unwrap",
     "wrap",
 ]
 

@@ -13,6 +13,7 @@ __all__ = [
     "ddp_ignored_names",
     "ddp_uses_python_reducer",
     "default_store",
+    "is_fsdp_module",
     "queue_engine_callback",
     "tree_leaves",
     "tree_map_only",
@@ -125,3 +126,19 @@ def write_summary(writer: Any, summary: Any, step: int) -> None:
         >>> # write_summary(SummaryWriter(logdir), summary, step)
     """
     writer._get_file_writer().add_summary(summary, step)
+
+
+def is_fsdp_module(module: object) -> bool:
+    """Whether ``module`` is sharded by FSDP (``FullyShardedDataParallel`` or ``fully_shard``).
+
+    Checked: 2.13 (``torch.distributed.fsdp.FullyShardedDataParallel``, ``FSDPModule``).
+
+    Example:
+        >>> is_fsdp_module(torch.nn.Linear(1, 1))
+        False
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # a torch built without distributed support
+        return False
+    return isinstance(module, (FSDPModule, FullyShardedDataParallel))

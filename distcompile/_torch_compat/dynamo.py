@@ -17,6 +17,7 @@ __all__ = [
     "compile_cache_hits",
     "compile_module",
     "compiled_autograd",
+    "compiled_original",
     "dynamo_control_flow",
     "graph_break_parts",
     "inductor_cache_dir",
@@ -75,6 +76,17 @@ def is_compiled_module(module: object) -> bool:
     from torch._dynamo.eval_frame import OptimizedModule
 
     return isinstance(module, OptimizedModule)
+
+
+def compiled_original(module: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile`` was given, for its result ``module``. Checked: 2.13 (``_orig_mod``).
+
+    Example:
+        >>> net = torch.nn.Linear(1, 1)
+        >>> compiled_original(torch.compile(net)) is net
+        True
+    """
+    return module._orig_mod
 
 
 def lookup_backend(name: str) -> Callable:

@@ -26,6 +26,7 @@ from ..planning.costs import CostModel
 from ..planning.plan import DEFAULT_FIRST_BUCKET_BYTES
 from .collectives import broadcast_coalesced
 from .measure import measure_costs
+from .nesting import data_parallel_kind, find_inner_data_parallel
 
 __all__ = ["Settings", "adopt", "bucket_caps"]
 
@@ -85,6 +86,7 @@ def adopt(model: nn.Module, cfg: Config) -> tuple[nn.Module, Settings]:
             "Call torch.distributed.init_process_group() first (torchrun sets the environment), "
             "then build DistributedDataParallel(model) and wrap it."
         )
+    _reject_nested(model)
     inner, fields = _from_ddp(model) if isinstance(model, DDP) else _from_module(model)
     cap, first_cap = bucket_caps(
         model, bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_cap_mb=cfg.first_bucket_cap_mb
@@ -142,6 +144,31 @@ def adopt(model: nn.Module, cfg: Config) -> tuple[nn.Module, Settings]:
         compression=cfg.compression or compression,
         costs=costs,
     )
+
+
+_WHERE_TO_WRAP = (
+    "Wrap once, outermost: distcompile.wrap(DDP(model)) or distcompile.wrap(model), with no other "
+    "data-parallel wrapper inside or around it. With Accelerate, Lightning or the Hugging Face Trainer, "
+    "use distcompile.integrations (docs/integrations.md); distcompile.unwrap(model) gives the plain model back."
+)
+
+
+def _reject_nested(model: nn.Module) -> None:
+    # A data-parallel wrapper inside would reduce gradients a second time with its own reducer.
+    outer = data_parallel_kind(model)
+    if outer is not None and not isinstance(model, DDP):
+        raise UnsupportedModelError(
+            f"got a {outer}; distcompile replaces DistributedDataParallel and cannot adopt this "
+            f"wrapper's gradient synchronization. {_WHERE_TO_WRAP}"
+        )
+    found = find_inner_data_parallel(model.module if isinstance(model, DDP) else model)
+    if found is not None:
+        path, kind = found
+        raise UnsupportedModelError(
+            f"the model passed to distcompile.wrap contains a {kind} at {path!r}; it keeps its own "
+            "gradient synchronization, so gradients would be all-reduced twice and distcompile would "
+            f"plan no overlap. {_WHERE_TO_WRAP}"
+        )
 
 
 def _from_ddp(model: DDP) -> tuple[nn.Module, dict]:

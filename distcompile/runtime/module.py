@@ -15,11 +15,12 @@ from torch import nn
 from .. import _torch_compat as compat
 from .._agreement import default_store, failed_ranks, mark_failed
 from .._config import Config
-from .._errors import DistCompileError
+from .._errors import DistCompileError, UnsupportedModelError
 from ..compile.backend import CompileObserver, CompileTarget, GraphCompiler, GraphRecord
 from . import shutdown
 from .collectives import broadcast_coalesced
 from .ddp import Settings
+from .nesting import outer_data_parallel
 from .reducer import BucketReducer, StepObserver, StepStats
 
 __all__ = ["DistCompiledModule", "Observer"]
@@ -70,6 +71,7 @@ class DistCompiledModule(nn.Module):
         self._source = [source]  # keep the DDP object (and its inert reducer) alive, unregistered
         self._observer = observer
         self._sync = True
+        self._outer_checked = False
         self._require_forward_param_sync = True
         self._store_prefix = f"distcompile/wrap{next(_wrap_ids)}"
         self._rank = dist.get_rank()
@@ -116,6 +118,8 @@ class DistCompiledModule(nn.Module):
     # -- running -----------------------------------------------------------------------
     def forward(self, *args: object, **kwargs: object) -> object:
         """Run the compiled model; a later ``backward()`` averages gradients across ranks."""
+        if not self._outer_checked:
+            self._check_not_wrapped()
         s = self._settings
         if s.broadcast_buffers and self._require_forward_param_sync and self._buffers_list:
             with torch.no_grad():
@@ -146,6 +150,21 @@ class DistCompiledModule(nn.Module):
             if isinstance(inner, DistCompileError):
                 raise inner from inner.__cause__
             raise
+
+    def _check_not_wrapped(self) -> None:
+        # Until the first training forward: a DDP put around this module (Accelerate's prepare
+        # after wrap, Lightning's strategy) runs its forward right above this one.
+        outer = outer_data_parallel(self)
+        if outer is not None:
+            raise UnsupportedModelError(
+                f"this distcompile model is called from inside a {outer}'s forward. That wrapper "
+                "all-reduces every gradient again after backward, so gradients are reduced twice and "
+                "none of it overlaps backward. Wrap once, outermost: build DDP(model), then "
+                "distcompile.wrap it, and hand the result to no other data-parallel wrapper (with "
+                "Accelerate, Lightning or the Hugging Face Trainer use distcompile.integrations, "
+                "docs/integrations.md)."
+            )
+        self._outer_checked = torch.is_grad_enabled()
 
     def _describe_peers(self) -> str:
         others = [r for r in self._ranks if r != self._rank]

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,11 +42,25 @@ def test_no_process_group() -> None:
         ({"compression_scope": "tail"}, "needs a compression format.*compression='bf16'"),
         ({"desync_timeout_s": -1}, "desync_timeout_s=-1"),
         ({"cudagraphs": True, "backend": "eager"}, "cudagraphs=True needs backend='inductor'"),
+        ({"dynamic": "yes"}, r"dynamic='yes' \(str\) has the wrong type: dynamic takes True/False or None"),
+        ({"bucket_cap_mb": True}, r"bucket_cap_mb=True \(bool\) has the wrong type"),
+        ({"trace_every": 1.5}, "trace_every takes an integer"),
+        ({"fullgraph": 1}, "fullgraph takes True/False"),
+        ({"logdir": 3}, "logdir takes a string or a path or None"),
+        ({"mode": "fast"}, "mode='fast' is not one of Inductor's presets"),
+        ({"mode": "reduce-overhead"}, "pass cudagraphs=True instead"),
+        ({"mode": "default", "backend": "aot_eager"}, "backend='aot_eager' does not use it"),
     ],
 )
 def test_bad_config(options: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         Config(**options)
+
+
+def test_numbers_and_paths_of_other_types_are_accepted() -> None:
+    cfg = Config(logdir=pathlib.Path("runs/x"), bucket_cap_mb=np.float64(2.5), trace_every=np.int64(3))
+    assert cfg.logdir == os.path.join("runs", "x") and cfg.bucket_cap_mb == 2.5 and cfg.trace_every == 3
+    assert Config(mode="max-autotune-no-cudagraphs").mode == "max-autotune-no-cudagraphs"
 
 
 def test_unknown_option(single_rank_group) -> None:
@@ -104,3 +122,50 @@ def test_failure_inside_torch_compile_names_graph_segment_version_and_ladder(sin
     assert "compiling piece 0 of 1 of graph 0" in text and f"torch {torch.__version__}" in text, text
     assert "no autograd formula" in text and "backend='eager'" in text, text
     assert isinstance(info.value.__cause__, RuntimeError)  # torch's own traceback stays chained
+
+
+class _Holder(nn.Module):
+    """A wrapper in the style of Lightning Fabric's: the DDP model is a registered child."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self._forward_module = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward_module(x)
+
+
+def test_data_parallel_inside_the_model_is_rejected(single_rank_group) -> None:
+    net = nn.Linear(2, 2)
+    with pytest.raises(
+        UnsupportedModelError, match=r"contains a torch.nn.parallel.Distributed.* at '_forward_module'.*twice"
+    ):
+        distcompile.wrap(_Holder(DDP(net)))
+    with pytest.raises(UnsupportedModelError, match=r"contains a torch.nn.parallel.Distributed.* at '0'"):
+        distcompile.wrap(DDP(nn.Sequential(DDP(nn.Linear(2, 2)))))
+    with pytest.raises(
+        UnsupportedModelError, match=r"contains a distcompile.DistCompiledModule at '_forward_module'"
+    ):
+        distcompile.wrap(_Holder(distcompile.wrap(DDP(nn.Linear(2, 2)), backend="eager")))
+    with pytest.raises(UnsupportedModelError, match=r"got a torch.nn.DataParallel"):
+        distcompile.wrap(nn.DataParallel(nn.Linear(2, 2)))
+
+
+def test_data_parallel_around_the_model_is_rejected_at_first_forward(single_rank_group) -> None:
+    ours = distcompile.wrap(DDP(nn.Linear(2, 2)), backend="eager")
+    outer = DDP(_Holder(ours))  # what Accelerate's prepare does to a wrapped model
+    with pytest.raises(
+        UnsupportedModelError, match=r"called from inside a torch.nn.parallel.Distributed.*twice"
+    ):
+        outer(torch.randn(3, 2)).sum().backward()
+    alone = distcompile.wrap(DDP(nn.Linear(2, 2)), backend="eager")
+    _Holder(alone)(torch.randn(3, 2)).sum().backward()  # a plain wrapper around it is fine
+
+
+def test_unwrap_gives_the_users_model_back(single_rank_group) -> None:
+    net = nn.Linear(2, 2)
+    ours = distcompile.wrap(DDP(net), backend="eager")
+    assert distcompile.unwrap(ours) is net
+    assert distcompile.unwrap(torch.compile(DDP(net))) is net
+    assert distcompile.unwrap(net) is net
+    assert set(distcompile.unwrap(ours).state_dict()) == {"weight", "bias"}

@@ -1,0 +1,107 @@
+"""Data-parallel wrappers in the wrong place: inside the model distcompile wraps, or around it.
+
+distcompile owns gradient synchronization. A second data-parallel wrapper would either
+reduce every gradient again (a DDP inside the wrapped model keeps its own reducer) or take
+the overlap away (a DDP around the wrapped model sees one opaque module: distcompile then
+plans no bucket for the parameters the outer DDP reduces after backward). The numbers can
+come out right either way, which is why both are errors rather than warnings.
+
+``unwrap`` gives back the user's model from any stack of these wrappers.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+from .. import _torch_compat as compat
+
+__all__ = ["data_parallel_kind", "find_inner_data_parallel", "outer_data_parallel", "unwrap"]
+
+#: How far up the stack a first forward looks for a wrapper's ``forward`` (a DDP around a
+#: Lightning or Accelerate wrapper sits a handful of frames up).
+_MAX_FRAMES = 64
+
+
+def data_parallel_kind(obj: object) -> str | None:
+    """The kind of data-parallel wrapper ``obj`` is, or ``None``.
+
+    Example:
+        >>> data_parallel_kind(nn.Linear(1, 1)) is None
+        True
+    """
+    from .module import DistCompiledModule  # module.py imports this one
+
+    if isinstance(obj, DistCompiledModule):
+        return "distcompile.DistCompiledModule"
+    if isinstance(obj, DistributedDataParallel):
+        return "torch.nn.parallel.DistributedDataParallel"
+    if isinstance(obj, DataParallel):
+        return "torch.nn.DataParallel"
+    if compat.is_fsdp_module(obj):
+        return "FullyShardedDataParallel"
+    if dist.is_available() and isinstance(getattr(obj, "reducer", None), dist.Reducer):
+        return f"{type(obj).__qualname__} (holds a DDP reducer)"
+    return None
+
+
+def find_inner_data_parallel(module: nn.Module) -> tuple[str, str] | None:
+    """``(path, kind)`` of the first data-parallel wrapper among ``module``'s submodules, or ``None``.
+
+    ``module`` itself is not looked at: it is what the caller adopts.
+
+    Example:
+        >>> find_inner_data_parallel(nn.Sequential(nn.Linear(1, 1))) is None
+        True
+    """
+    for path, sub in module.named_modules():
+        if path and (kind := data_parallel_kind(sub)) is not None:
+            return path, kind
+    return None
+
+
+def outer_data_parallel(module: nn.Module) -> str | None:
+    """The kind of data-parallel wrapper whose ``forward`` is on the stack around ``module``'s call.
+
+    Called from ``module``'s own forward; frames of ``module`` itself are skipped.
+
+    Example:
+        >>> outer_data_parallel(nn.Linear(1, 1)) is None
+        True
+    """
+    frame = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if owner is not None and owner is not module and (kind := data_parallel_kind(owner)) is not None:
+            return kind
+        frame = frame.f_back
+    return None
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside ``model``: peels distcompile, DDP, DataParallel and ``torch.compile``.
+
+    Use it to save weights that load into a plain model (its ``state_dict`` keys carry no
+    ``module.`` prefix), or to reach the model's own attributes.
+
+    Example:
+        >>> import distcompile
+        >>> net = nn.Linear(2, 2)
+        >>> distcompile.unwrap(net) is net
+        True
+        >>> # distcompile.unwrap(distcompile.wrap(DDP(net))) is net   -> True
+    """
+    from .module import DistCompiledModule
+
+    while True:
+        if isinstance(model, (DistCompiledModule, DistributedDataParallel, DataParallel)):
+            model = model.module
+        elif compat.is_compiled_module(model):
+            model = compat.compiled_original(model)
+        else:
+            return model
