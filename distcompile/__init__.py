@@ -18,14 +18,13 @@ from ._errors import (
     UnsupportedTorchError,
 )
 from ._torch_compat import warn_if_untested as _warn_if_untested
-from ._wrap import wrap
+from ._wrap import unwrap, wrap
 from .compile.backend import GraphRecord
 from .diagnostics.doctor import DoctorReport, StageResult, doctor
 from .diagnostics.explain import ExplainedGraph, Explanation, explain
 from .planning.plan import Bucket, NodeInfo, Plan, plan_graph
 from .runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .runtime.module import DistCompiledModule
-from .runtime.nesting import unwrap
 
 __all__ = [
     "Bucket",

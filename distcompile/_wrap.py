@@ -14,9 +14,10 @@ from ._errors import UnsupportedModelError
 from ._log import enable_progress
 from .runtime.ddp import Settings, adopt
 from .runtime.module import DistCompiledModule
+from .runtime.nesting import WRAPPERS
 from .telemetry.sink import Telemetry
 
-__all__ = ["wrap"]
+__all__ = ["unwrap", "wrap"]
 
 
 def _make_telemetry(config: Config, inner: nn.Module, settings: Settings) -> Telemetry | None:
@@ -72,3 +73,24 @@ def wrap(model: nn.Module, config: Config | None = None, **options: object) -> D
     enable_progress(rank=dist.get_rank(), first_rank=dist.get_rank() == settings.ranks[0])
     telemetry = _make_telemetry(cfg, inner, settings)
     return DistCompiledModule(inner, config=cfg, settings=settings, source=model, observer=telemetry)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside ``model``: peels distcompile, DDP, DataParallel and ``torch.compile``.
+
+    Use it to save weights that load into a plain model (its ``state_dict`` keys carry no
+    ``module.`` prefix), or to reach the model's own attributes and methods.
+
+    Example:
+        >>> net = nn.Linear(2, 2)
+        >>> unwrap(net) is net
+        True
+        >>> # unwrap(distcompile.wrap(DDP(net))) is net   -> True
+    """
+    while True:
+        if isinstance(model, tuple(WRAPPERS)):
+            model = model.module
+        elif compat.is_compiled_module(model):
+            model = compat.compiled_original(model)
+        else:
+            return model

@@ -20,7 +20,7 @@ from ..compile.backend import CompileObserver, CompileTarget, GraphCompiler, Gra
 from . import shutdown
 from .collectives import broadcast_coalesced
 from .ddp import Settings
-from .nesting import outer_data_parallel
+from .nesting import WRAPPERS, outer_data_parallel
 from .reducer import BucketReducer, StepObserver, StepStats
 
 __all__ = ["DistCompiledModule", "Observer"]
@@ -213,3 +213,6 @@ class DistCompiledModule(nn.Module):
     def last_step(self) -> StepStats:
         """Communication statistics of the last synchronized step on this rank."""
         return self._reducer.last_step
+
+
+WRAPPERS[DistCompiledModule] = "distcompile.DistCompiledModule"

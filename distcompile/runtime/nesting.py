@@ -6,7 +6,7 @@ the overlap away (a DDP around the wrapped model sees one opaque module: distcom
 plans no bucket for the parameters the outer DDP reduces after backward). The numbers can
 come out right either way, which is why both are errors rather than warnings.
 
-``unwrap`` gives back the user's model from any stack of these wrappers.
+``distcompile.unwrap`` (``_wrap.py``) peels the wrappers ``WRAPPERS`` lists.
 """
 
 from __future__ import annotations
@@ -19,11 +19,18 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from .. import _torch_compat as compat
 
-__all__ = ["data_parallel_kind", "find_inner_data_parallel", "outer_data_parallel", "unwrap"]
+__all__ = ["WRAPPERS", "data_parallel_kind", "find_inner_data_parallel", "outer_data_parallel"]
 
 #: How far up the stack a first forward looks for a wrapper's ``forward`` (a DDP around a
 #: Lightning or Accelerate wrapper sits a handful of frames up).
 _MAX_FRAMES = 64
+
+#: Wrapper class -> its name in messages; each keeps the user's model as ``.module``.
+#: ``DistCompiledModule`` adds itself (``runtime/module.py`` imports this module).
+WRAPPERS: dict[type, str] = {
+    DistributedDataParallel: "torch.nn.parallel.DistributedDataParallel",
+    DataParallel: "torch.nn.DataParallel",
+}
 
 
 def data_parallel_kind(obj: object) -> str | None:
@@ -33,14 +40,9 @@ def data_parallel_kind(obj: object) -> str | None:
         >>> data_parallel_kind(nn.Linear(1, 1)) is None
         True
     """
-    from .module import DistCompiledModule  # module.py imports this one
-
-    if isinstance(obj, DistCompiledModule):
-        return "distcompile.DistCompiledModule"
-    if isinstance(obj, DistributedDataParallel):
-        return "torch.nn.parallel.DistributedDataParallel"
-    if isinstance(obj, DataParallel):
-        return "torch.nn.DataParallel"
+    for cls, name in WRAPPERS.items():
+        if isinstance(obj, cls):
+            return name
     if compat.is_fsdp_module(obj):
         return "FullyShardedDataParallel"
     if dist.is_available() and isinstance(getattr(obj, "reducer", None), dist.Reducer):
@@ -81,27 +83,3 @@ def outer_data_parallel(module: nn.Module) -> str | None:
             return kind
         frame = frame.f_back
     return None
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside ``model``: peels distcompile, DDP, DataParallel and ``torch.compile``.
-
-    Use it to save weights that load into a plain model (its ``state_dict`` keys carry no
-    ``module.`` prefix), or to reach the model's own attributes.
-
-    Example:
-        >>> import distcompile
-        >>> net = nn.Linear(2, 2)
-        >>> distcompile.unwrap(net) is net
-        True
-        >>> # distcompile.unwrap(distcompile.wrap(DDP(net))) is net   -> True
-    """
-    from .module import DistCompiledModule
-
-    while True:
-        if isinstance(model, (DistCompiledModule, DistributedDataParallel, DataParallel)):
-            model = model.module
-        elif compat.is_compiled_module(model):
-            model = compat.compiled_original(model)
-        else:
-            return model

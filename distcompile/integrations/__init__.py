@@ -1,0 +1,14 @@
+"""distcompile inside the stacks people train with: Accelerate, the Hugging Face Trainer, Lightning.
+
+Each module imports its stack only when used, and the core never imports this package.
+What each needs from distcompile goes through the public API (``import distcompile``).
+
+- ``accelerate.enable(accelerator, ...)``: ``Accelerator.prepare`` returns distcompile models.
+- ``transformers.enable(trainer, ...)``: the Hugging Face ``Trainer`` trains one.
+- ``lightning.DistCompileStrategy`` / ``lightning.DistCompileFabricStrategy``: ``strategy=`` of
+  Lightning's ``Trainer`` and of ``Fabric``.
+
+``docs/integrations.md`` shows each, tested in ``tests/integrations``.
+"""
+
+__all__: list[str] = []

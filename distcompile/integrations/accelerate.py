@@ -1,0 +1,91 @@
+"""Hugging Face Accelerate: ``Accelerator.prepare`` builds the DDP model, distcompile compiles it.
+
+``enable(accelerator)`` changes one accelerator object (no global state): its
+``prepare``/``prepare_model`` wrap each DDP model it builds with :func:`distcompile.wrap`
+and hand that back, and its ``unwrap_model`` (which ``get_state_dict``, ``save_model``
+and the Trainer's save path call) sees through distcompile to the user's model.
+``save_state``/``load_state`` keep working on the prepared model, and ``accumulate()``
+and ``no_sync()`` reach distcompile's ``no_sync``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distcompile
+
+__all__ = ["enable"]
+
+
+def enable(accelerator: Any, config: distcompile.Config | None = None, **options: Any) -> Any:
+    """Make ``accelerator.prepare`` return distcompile models; call it before ``prepare``.
+
+    Args:
+        accelerator: An ``accelerate.Accelerator``.
+        config: Options of :func:`distcompile.wrap`.
+        **options: Any :class:`distcompile.Config` field, overriding ``config``.
+
+    Returns:
+        ``accelerator`` itself.
+
+    Example:
+        >>> # accelerator = Accelerator(gradient_accumulation_steps=4)
+        >>> # distcompile.integrations.accelerate.enable(accelerator, backend="inductor")
+        >>> # model, opt, loader = accelerator.prepare(model, opt, loader)  # model: a DistCompiledModule
+        >>> # accelerator.unwrap_model(model)                              # the user's model
+    """
+    from accelerate import Accelerator
+
+    if not isinstance(accelerator, Accelerator):
+        raise distcompile.ConfigError(
+            f"enable() takes an accelerate.Accelerator, got {type(accelerator).__name__}. "
+            "Pass the Accelerator object you call prepare() on."
+        )
+    if getattr(accelerator, "_distcompile_config", None) is not None:
+        return accelerator  # enabled already: keep the first options, do not wrap twice
+    cfg = (config or distcompile.Config()).replace(**options)
+    prepared = [m for m in accelerator._models if isinstance(m, DDP)]
+    if prepared:
+        raise distcompile.ConfigError(
+            f"this Accelerator already prepared {len(prepared)} DDP model(s); enable() changes what "
+            "prepare() returns, so call it right after creating the Accelerator, before prepare()."
+        )
+    prepare_model, unwrap_model = accelerator.prepare_model, accelerator.unwrap_model
+
+    def prepare_compiled(
+        model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ):
+        _check_no_accelerate_compile(accelerator)
+        out = prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if not isinstance(out, DDP):  # one process, or evaluation_mode: nothing to synchronize
+            return out
+        wrapped = distcompile.wrap(out, cfg)
+        wrapped._is_accelerate_prepared = True  # prepare() called again returns it as it is
+        for i, m in enumerate(accelerator._models):  # save_state/load_state see the wrapped model
+            if m is out:
+                accelerator._models[i] = wrapped
+        return wrapped
+
+    def unwrap_compiled(model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        if isinstance(model, distcompile.DistCompiledModule):
+            model = model.module
+        return unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
+
+    accelerator.prepare_model = prepare_compiled
+    accelerator.unwrap_model = unwrap_compiled
+    accelerator._distcompile_config = cfg
+    return accelerator
+
+
+def _check_no_accelerate_compile(accelerator: Any) -> None:
+    backend = getattr(getattr(accelerator.state, "dynamo_plugin", None), "backend", None)
+    name = str(getattr(backend, "value", backend or "no")).lower()
+    if name != "no":
+        raise distcompile.ConfigError(
+            f"this Accelerator compiles models itself (dynamo_backend={name!r}), so the DDP model would be "
+            "compiled twice. With distcompile, leave Accelerate's dynamo_backend unset (the default; for the "
+            "Trainer: torch_compile=False) and pass compile options to enable() instead."
+        )

@@ -1,0 +1,114 @@
+"""Training loops run on every rank by the integration tests, each with a stack's own API.
+
+Every loop trains the same tiny GPT-2 (Hugging Face ``transformers``, dropout off so the
+runs are comparable) twice: once through the stack's own DDP, once through distcompile,
+and returns losses, parameters and what the test checks about checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import distcompile
+
+VOCAB, SEQ = 96, 16
+
+
+def _env(rank: int, world: int) -> None:
+    # What torchrun exports; the stacks read it (the process group already exists).
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def token_batches(rank: int, n: int, batch: int = 4) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randint(0, VOCAB, (batch, SEQ), generator=g) for _ in range(n)]
+
+
+def accelerate_loop(rank: int, world: int, use_distcompile: bool, ckpt_dir: str) -> dict:
+    """``Accelerator`` with ``accumulate`` (2 micro-batches per step), then save/load state."""
+    _env(rank, world)
+    from accelerate import Accelerator
+
+    from distcompile.integrations import accelerate as dc_accelerate
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    if use_distcompile:
+        dc_accelerate.enable(accelerator, backend="aot_eager")
+    model = tiny_gpt2()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = accelerator.prepare(model, opt)
+    losses = []
+    for x in token_batches(rank, 6):
+        with accelerator.accumulate(model):
+            loss = model(input_ids=x, labels=x).loss
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    accelerator.save_state(ckpt_dir)
+    accelerator.wait_for_everyone()  # rank 0 writes; every rank reads
+    before = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    accelerator.load_state(ckpt_dir)
+    plain = accelerator.get_state_dict(model)
+    out = {
+        "losses": losses,
+        "params": [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()],
+        "unwrapped": type(accelerator.unwrap_model(model)).__name__,
+        "plain_keys_load": _loads_into_plain(plain),
+        "restored": all(
+            torch.equal(before[k], v) for k, v in accelerator.unwrap_model(model).state_dict().items()
+        ),
+        "type": type(model).__name__,
+    }
+    if use_distcompile:
+        out["synced_steps"] = model.last_step.step + 1
+        out["buckets"] = [len(g.plan.buckets) for g in model.graphs]
+    return out
+
+
+def _loads_into_plain(state: dict) -> bool:
+    fresh = tiny_gpt2()
+    missing, unexpected = fresh.load_state_dict(state, strict=False)
+    return not unexpected and all(k.endswith("lm_head.weight") for k in missing)
+
+
+def accelerate_wrong_order(rank: int, world: int) -> str:
+    """``wrap`` first, then ``prepare``: Accelerate's DDP ends up around distcompile."""
+    _env(rank, world)
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(distcompile.wrap(tiny_gpt2(), backend="eager"))
+    x = token_batches(rank, 1)[0]
+    try:
+        model(input_ids=x, labels=x).loss.backward()
+    except distcompile.UnsupportedModelError as e:
+        return str(e)
+    return "no error"
