@@ -112,3 +112,58 @@ def accelerate_wrong_order(rank: int, world: int) -> str:
     except distcompile.UnsupportedModelError as e:
         return str(e)
     return "no error"
+
+
+def _trainer(out_dir: str, rank: int, use_distcompile: bool, max_steps: int):  # noqa: ANN202
+    from transformers import Trainer, TrainingArguments
+
+    from distcompile.integrations import transformers as dc_transformers
+
+    data = [{"input_ids": x, "labels": x} for x in token_batches(0, 24, batch=1) for x in x]
+    args = TrainingArguments(
+        output_dir=out_dir,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=max_steps,
+        save_steps=2,
+        learning_rate=0.05,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=data)
+    if use_distcompile:
+        dc_transformers.enable(trainer, backend="aot_eager")
+    return trainer
+
+
+def hf_trainer_loop(rank: int, world: int, use_distcompile: bool, out_dir: str) -> dict:
+    """``Trainer.train`` (3 steps of 2 accumulated micro-batches), then a resume from step 2."""
+    _env(rank, world)
+    from transformers import GPT2LMHeadModel
+
+    trainer = _trainer(out_dir, rank, use_distcompile, max_steps=3)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    final = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.save_model(os.path.join(out_dir, "final"))
+    trainer.accelerator.wait_for_everyone()
+    resumed = _trainer(out_dir, rank, use_distcompile, max_steps=3)
+    resumed.train(resume_from_checkpoint=os.path.join(out_dir, "checkpoint-2"))
+    out = {
+        "losses": losses,
+        "params": final,
+        "resumed_params": [p.detach().clone() for p in resumed.model.parameters()],
+        "plain_load": [
+            p.detach().clone()
+            for p in GPT2LMHeadModel.from_pretrained(os.path.join(out_dir, "final")).parameters()
+        ],
+        "type": type(trainer.model_wrapped).__name__,
+    }
+    if use_distcompile:
+        out["synced_steps"] = trainer.model_wrapped.last_step.step + 1
+    return out
