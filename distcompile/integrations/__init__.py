@@ -3,10 +3,12 @@
 Each module imports its stack only when used, and the core never imports this package.
 What each needs from distcompile goes through the public API (``import distcompile``).
 
-- ``accelerate.enable(accelerator, ...)``: ``Accelerator.prepare`` returns distcompile models.
-- ``transformers.enable(trainer, ...)``: the Hugging Face ``Trainer`` trains one.
-- ``lightning.DistCompileStrategy`` / ``lightning.DistCompileFabricStrategy``: ``strategy=`` of
+- ``hf_accelerate.enable(accelerator, ...)``: ``Accelerator.prepare`` returns distcompile models.
+- ``hf_trainer.enable(trainer, ...)``: the Hugging Face ``Trainer`` trains one.
+- ``lightning_strategies.DistCompileStrategy`` / ``DistCompileFabricStrategy``: ``strategy=`` of
   Lightning's ``Trainer`` and of ``Fabric``.
+
+(The module names differ from the stacks' own, so none shadows its stack.)
 
 ``docs/integrations.md`` shows each, tested in ``tests/integrations``.
 """

@@ -53,7 +53,7 @@ def accelerate_loop(rank: int, world: int, use_distcompile: bool, ckpt_dir: str)
     _env(rank, world)
     from accelerate import Accelerator
 
-    from distcompile.integrations import accelerate as dc_accelerate
+    from distcompile.integrations import hf_accelerate as dc_accelerate
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     if use_distcompile:
@@ -117,7 +117,7 @@ def accelerate_wrong_order(rank: int, world: int) -> str:
 def _trainer(out_dir: str, rank: int, use_distcompile: bool, max_steps: int):  # noqa: ANN202
     from transformers import Trainer, TrainingArguments
 
-    from distcompile.integrations import transformers as dc_transformers
+    from distcompile.integrations import hf_trainer as dc_transformers
 
     data = [{"input_ids": x, "labels": x} for x in token_batches(0, 24, batch=1) for x in x]
     args = TrainingArguments(
@@ -166,4 +166,103 @@ def hf_trainer_loop(rank: int, world: int, use_distcompile: bool, out_dir: str) 
     }
     if use_distcompile:
         out["synced_steps"] = trainer.model_wrapped.last_step.step + 1
+    return out
+
+
+def fabric_loop(rank: int, world: int, use_distcompile: bool, ckpt: str) -> dict:
+    """``Fabric``: setup, ``no_backward_sync`` on the first of 2 micro-batches, save and load."""
+    _env(rank, world)
+    from lightning_fabric import Fabric
+
+    from distcompile.integrations.lightning_strategies import DistCompileFabricStrategy
+
+    strategy = DistCompileFabricStrategy(backend="aot_eager") if use_distcompile else "ddp"
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    module = tiny_gpt2()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    model, opt = fabric.setup(module, opt)
+    losses = []
+    for i, x in enumerate(token_batches(rank, 6)):
+        with fabric.no_backward_sync(model, enabled=i % 2 == 0):
+            loss = model(input_ids=x, labels=x).loss
+            fabric.backward(loss)
+        losses.append(loss.item())
+        if i % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+    fabric.save(ckpt, {"model": model, "opt": opt})
+    fabric.barrier()
+    saved = [p.detach().clone() for p in module.parameters()]
+    with torch.no_grad():
+        for p in module.parameters():
+            p.zero_()
+    fabric.load(ckpt, {"model": model, "opt": opt})
+    out = {
+        "restored": all(torch.equal(a, b) for a, b in zip(saved, module.parameters())),
+        "losses": losses,
+        "params": [p.detach().clone() for p in module.parameters()],
+        "plain_keys_load": _loads_into_plain(torch.load(ckpt, weights_only=True)["model"]),
+    }
+    if use_distcompile:
+        out["synced_steps"] = model._forward_module.last_step.step + 1
+    return out
+
+
+def lightning_trainer_loop(rank: int, world: int, use_distcompile: bool, out_dir: str) -> dict:
+    """Lightning's ``Trainer``: 3 steps of 2 accumulated batches, a checkpoint, a plain reload."""
+    _env(rank, world)
+    import pytorch_lightning as pl
+
+    from distcompile.integrations.lightning_strategies import DistCompileStrategy
+
+    class LitGPT(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = tiny_gpt2()
+            self.losses: list[float] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(input_ids=x, labels=x).loss
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            loss = self(batch)
+            self.log("loss", loss)
+            return loss
+
+        def on_train_batch_end(self, outputs: dict, batch: torch.Tensor, batch_idx: int) -> None:
+            self.losses.append(outputs["loss"].item())
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    lit = LitGPT()
+    strategy = DistCompileStrategy(backend="aot_eager") if use_distcompile else "ddp"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=3,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out_dir,
+        use_distributed_sampler=False,
+    )
+    batches = token_batches(rank, 6)
+    trainer.fit(lit, torch.utils.data.DataLoader(batches, batch_size=None))
+    ckpt = os.path.join(out_dir, "final.ckpt")
+    trainer.save_checkpoint(ckpt)
+    trainer.strategy.barrier()
+    state = {k.removeprefix("net."): v for k, v in torch.load(ckpt, weights_only=False)["state_dict"].items()}
+    out = {
+        "losses": lit.losses,
+        "params": [p.detach().clone() for p in lit.net.parameters()],
+        "plain_keys_load": _loads_into_plain(state),
+    }
+    if use_distcompile:
+        out["synced_steps"] = trainer.strategy.distcompile_model.last_step.step + 1
+        out["graphs"] = len(trainer.strategy.distcompile_model.graphs)
     return out

@@ -33,7 +33,7 @@ def enable(accelerator: Any, config: distcompile.Config | None = None, **options
 
     Example:
         >>> # accelerator = Accelerator(gradient_accumulation_steps=4)
-        >>> # distcompile.integrations.accelerate.enable(accelerator, backend="inductor")
+        >>> # distcompile.integrations.hf_accelerate.enable(accelerator, backend="inductor")
         >>> # model, opt, loader = accelerator.prepare(model, opt, loader)  # model: a DistCompiledModule
         >>> # accelerator.unwrap_model(model)                              # the user's model
     """

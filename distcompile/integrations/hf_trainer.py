@@ -1,6 +1,6 @@
 """The Hugging Face ``Trainer``: it prepares its model through Accelerate, so distcompile goes there.
 
-``enable(trainer)`` calls :func:`distcompile.integrations.accelerate.enable` on the
+``enable(trainer)`` calls :func:`distcompile.integrations.hf_accelerate.enable` on the
 Trainer's own ``Accelerator``. Gradient accumulation (``gradient_accumulation_steps``),
 checkpoints (``save_steps``, ``resume_from_checkpoint``) and ``save_model`` work through
 the Trainer's API as they do under its own DDP.
@@ -12,7 +12,7 @@ from typing import Any
 
 import distcompile
 
-from .accelerate import enable as enable_accelerate
+from .hf_accelerate import enable as enable_accelerate
 
 __all__ = ["enable"]
 
@@ -31,7 +31,7 @@ def enable(trainer: Any, config: distcompile.Config | None = None, **options: An
 
     Example:
         >>> # trainer = Trainer(model=model, args=TrainingArguments(...), train_dataset=ds)
-        >>> # distcompile.integrations.transformers.enable(trainer, backend="inductor")
+        >>> # distcompile.integrations.hf_trainer.enable(trainer, backend="inductor")
         >>> # trainer.train()
     """
     from transformers import Trainer
