@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -48,6 +50,8 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
         wrap_kwargs["bucket_cap_mb"] = "auto"
     if case in _DYNAMIC:
         wrap_kwargs["dynamic"] = _DYNAMIC[case]
+    if case == "retain_graph":  # a cold compile cache: see test_retain_graph_under_inductor
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="distcompile-retain-")
     if case == "fp16_hook":
         ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
         ours_ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -67,7 +71,7 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
                 amp = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else _null()
                 with ctx, amp:
                     loss = loss_fn(model_name, model(x), y)
-                    loss.backward()
+                    loss.backward(retain_graph=case == "retain_graph")
                 total += loss.item()
             if slot == 0:
                 losses.append((total, float("nan")))

@@ -148,6 +148,19 @@ def test_dynamic_shapes_match_eager_ddp(case: str, backend: str, graphs: int) ->
 
 
 @pytest.mark.slow
+def test_retain_graph_under_inductor() -> None:
+    """backward(retain_graph=True) from the first step, as under torch.compile.
+
+    Inductor compiles each backward lazily and, seeing a retained graph, compiles it without
+    donating saved buffers. Each rank uses an empty compile cache: a backward loaded from
+    AOTAutograd's cache was compiled for a plain backward and donates, and torch then
+    refuses retain_graph=True ("non-empty donated buffers") under plain torch.compile too
+    (torch 2.13; docs/debugging.md says what to do).
+    """
+    _check(run_ranks(workers.parity, 2, "gpt", "inductor", "retain_graph", timeout=900), TOL["inductor"])
+
+
+@pytest.mark.slow
 def test_warm_restart_reuses_compiled_pieces() -> None:
     """A second compile of the same model loads every piece from AOTAutograd's cache."""
     for res in run_ranks(workers.warm_restart, 2, "odd_strides", timeout=900):
