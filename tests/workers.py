@@ -449,4 +449,6 @@ def progress_lines(rank: int, world: int) -> str:
         model = distcompile.wrap(DDP(BUILDERS["mlp_seq"](), bucket_cap_mb=0.01), backend="eager")
         model(torch.randn(4, 64)).sum().backward()
         model(torch.randn(6, 64)).sum().backward()  # a recompile: a warning on rank 0 only
+        with torch.no_grad():
+            model(torch.randn(6, 64))  # an inference graph: no buckets, no backward to compile
     return err.getvalue()

@@ -115,14 +115,17 @@ def own_forward_code(module: torch.nn.Module, tag: str) -> torch.nn.Module:
 
     Example:
         >>> lin = own_forward_code(torch.nn.Linear(2, 2), "x")
-        >>> type(lin).forward.__code__ is torch.nn.Linear.forward.__code__
-        False
+        >>> code = type(lin).forward.__code__
+        >>> code == torch.nn.Linear.forward.__code__, code.co_name
+        (False, 'forward')
     """
     cls = type(module)
     fwd = cls.forward
     if not isinstance(fwd, types.FunctionType):
         return module
-    code = fwd.__code__.replace(co_name=f"{fwd.__code__.co_name}_{tag}")
+    # A distinct, unequal code object that keeps its name (graph breaks and tracebacks say
+    # "in forward", the user's method): the tag goes in as an extra, unused constant.
+    code = fwd.__code__.replace(co_consts=(*fwd.__code__.co_consts, f"distcompile:{tag}"))
     copy = types.FunctionType(code, fwd.__globals__, code.co_name, fwd.__defaults__, fwd.__closure__)
     copy.__kwdefaults__ = fwd.__kwdefaults__
     module.__class__ = type(cls.__name__, (cls,), {"forward": copy, "__module__": cls.__module__})

@@ -321,13 +321,17 @@ class GraphCompiler:
     ) -> tuple[Callable, list[float], int]:
         cfg = self.target.config
         pieces = len(plan.pieces or plan.segments)
+        if torch.is_grad_enabled():
+            layout = f"{len(plan.segments)} segment(s), {len(plan.buckets)} bucket(s) ({planned_by})"
+        else:  # its segments keep the training graph's cuts, but no bucket ever runs
+            layout = (
+                f"{len(plan.segments)} segment(s); no gradients (inference graph), nothing to synchronize"
+            )
         log.info(
-            "graph %d: %d nodes -> %d segment(s), %d bucket(s) (%s); compiling %d piece(s) with %s%s",
+            "graph %d: %d nodes -> %s; compiling %d piece(s) with %s%s",
             graph_id,
             len(captured.nodes),
-            len(plan.segments),
-            len(plan.buckets),
-            planned_by,
+            layout,
             pieces,
             cfg.backend,
             f" (recompile: {'; '.join(reasons)})" if reasons else "",
@@ -367,7 +371,9 @@ class GraphCompiler:
             record.compile_s,
             record.pieces_reused,
             record.cache_hits,
-            "; its backward compiles during the first backward" if t.config.backend != "eager" else "",
+            "; its backward compiles during the first backward"
+            if t.config.backend != "eager" and torch.is_grad_enabled()
+            else "",
         )
         reasons = record.recompile_reasons
         if reasons:

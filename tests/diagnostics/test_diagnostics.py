@@ -14,6 +14,7 @@ def test_explain_graph_break_without_process_group() -> None:
     exp = distcompile.explain(GraphBreak(), torch.randn(4, 64), bucket_cap_mb=0.01)
     assert len(exp.graphs) == 2 and len(exp.graph_breaks) == 1
     assert "item()" in exp.graph_breaks[0] and "models.py" in exp.graph_breaks[0]  # reason and user code line
+    assert "in forward" in exp.graph_breaks[0] and "forward_" not in exp.graph_breaks[0], exp.graph_breaks[0]
     assert exp.shared == {"shared.weight": 2, "shared.bias": 2}
     assert set(exp.graphs[1].plan.foreign) == {"shared.weight", "shared.bias"}
     text = str(exp)
@@ -90,4 +91,7 @@ def test_progress_lines_on_the_first_rank_warnings_prefixed() -> None:
     assert "[distcompile rank 0] graph 0:" in out0 and "compiled in" in out0, out0
     assert "[distcompile rank 0] graph 1 is a recompile" in out0, out0
     assert "size mismatch" in out0 or "expected 4" in out0, out0
+    inference = next(line for line in out0.splitlines() if "graph 2:" in line)
+    assert "no gradients (inference graph)" in inference and "bucket" not in inference, inference
+    assert "graph 2 compiled" in out0 and "backward compiles" not in out0.split("graph 2 compiled")[1], out0
     assert "[distcompile rank 1]" not in out1, out1  # progress and the shared warning: rank 0 only
