@@ -165,3 +165,19 @@ def test_every_package_says_what_it_owns() -> None:
 def test_import_reader(source: str, expected: set[str]) -> None:
     # The reader itself, on code as if in distcompile/planning/costs.py.
     assert _imports_in(source, "distcompile.planning.costs", "distcompile.planning") == expected
+
+
+def test_importing_distcompile_imports_no_other_stack() -> None:
+    """The core never imports an integration's stack (they are optional and slow to import)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, distcompile, distcompile.integrations; "
+        "print(sorted({'accelerate', 'transformers', 'pytorch_lightning', 'lightning', 'lightning_fabric'} "
+        "& set(sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout

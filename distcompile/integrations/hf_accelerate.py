@@ -10,6 +10,7 @@ and ``no_sync()`` reach distcompile's ``no_sync``.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from torch import nn
@@ -61,6 +62,7 @@ def enable(accelerator: Any, config: distcompile.Config | None = None, **options
         _check_no_accelerate_compile(accelerator)
         out = prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         if not isinstance(out, DDP):  # one process, or evaluation_mode: nothing to synchronize
+            _check_not_alone(accelerator, evaluation_mode)
             return out
         wrapped = distcompile.wrap(out, cfg)
         wrapped._is_accelerate_prepared = True  # prepare() called again returns it as it is
@@ -78,6 +80,17 @@ def enable(accelerator: Any, config: distcompile.Config | None = None, **options
     accelerator.unwrap_model = unwrap_compiled
     accelerator._distcompile_config = cfg
     return accelerator
+
+
+def _check_not_alone(accelerator: Any, evaluation_mode: bool) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not evaluation_mode and world > 1 and accelerator.num_processes == 1:
+        raise distcompile.ConfigError(
+            f"the launcher started {world} processes (WORLD_SIZE={world}) but this Accelerator runs each on its "
+            f"own (distributed_type={accelerator.distributed_type}): every rank would train alone, with no "
+            "gradient synchronization. Without a GPU, Accelerate needs Accelerator(cpu=True) (or "
+            "`accelerate launch --cpu`; the Trainer: TrainingArguments(use_cpu=True)) to build its DDP model."
+        )
 
 
 def _check_no_accelerate_compile(accelerator: Any) -> None:
