@@ -83,6 +83,10 @@ def test_no_module_but_the_seam_touches_private_torch_names() -> None:
         if "_torch_compat" in path.relative_to(ROOT).parts:
             continue
         uses = private_torch_uses(path.read_text())
+        if "integrations" in path.relative_to(ROOT).parts:
+            # The glue to another stack touches that stack's own private names (Accelerate's
+            # model list); only torch's count here.
+            uses = [u for u in uses if u.split(": ", 1)[1].split(".")[0] in TORCH_ROOTS]
         if uses:
             offenders[str(path.relative_to(ROOT))] = uses
     assert not offenders, f"private torch names outside distcompile/_torch_compat/: {offenders}"

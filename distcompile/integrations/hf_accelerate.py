@@ -45,7 +45,7 @@ def enable(accelerator: Any, config: distcompile.Config | None = None, **options
             f"enable() takes an accelerate.Accelerator, got {type(accelerator).__name__}. "
             "Pass the Accelerator object you call prepare() on."
         )
-    if getattr(accelerator, "_distcompile_config", None) is not None:
+    if getattr(accelerator, "distcompile_config", None) is not None:
         return accelerator  # enabled already: keep the first options, do not wrap twice
     cfg = (config or distcompile.Config()).replace(**options)
     prepared = [m for m in accelerator._models if isinstance(m, DDP)]
@@ -78,7 +78,7 @@ def enable(accelerator: Any, config: distcompile.Config | None = None, **options
 
     accelerator.prepare_model = prepare_compiled
     accelerator.unwrap_model = unwrap_compiled
-    accelerator._distcompile_config = cfg
+    accelerator.distcompile_config = cfg
     return accelerator
 
 

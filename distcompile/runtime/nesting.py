@@ -11,7 +11,7 @@ come out right either way, which is why both are errors rather than warnings.
 
 from __future__ import annotations
 
-import sys
+import inspect
 
 import torch.distributed as dist
 from torch import nn
@@ -74,7 +74,8 @@ def outer_data_parallel(module: nn.Module) -> str | None:
         >>> outer_data_parallel(nn.Linear(1, 1)) is None
         True
     """
-    frame = sys._getframe(1)
+    here = inspect.currentframe()
+    frame = here.f_back if here is not None else None
     for _ in range(_MAX_FRAMES):
         if frame is None:
             return None

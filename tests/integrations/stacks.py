@@ -24,6 +24,11 @@ def _env(rank: int, world: int) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 
 
+def both(rank: int, world: int, loop, path: str) -> tuple[dict, dict]:  # noqa: ANN001
+    """``loop`` with the stack's own DDP, then with distcompile, in one process (one import of the stack)."""
+    return loop(rank, world, False, f"{path}-ref"), loop(rank, world, True, f"{path}-ours")
+
+
 def tiny_gpt2() -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -16,8 +16,7 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 def test_accelerate_prepare_accumulate_save_load(tmp_path) -> None:
-    ref = run_ranks(stacks.accelerate_loop, 2, False, str(tmp_path / "ref"), timeout=600)
-    ours = run_ranks(stacks.accelerate_loop, 2, True, str(tmp_path / "ours"), timeout=600)
+    ref, ours = zip(*run_ranks(stacks.both, 2, stacks.accelerate_loop, str(tmp_path / "state"), timeout=600))
     for rank, (a, b) in enumerate(zip(ref, ours)):
         np.testing.assert_allclose(b["losses"], a["losses"], rtol=RTOL, atol=ATOL, err_msg=f"rank {rank}")
         for i, (p, q) in enumerate(zip(b["params"], a["params"])):

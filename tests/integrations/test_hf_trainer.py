@@ -21,8 +21,7 @@ def _close(a: list, b: list, what: str) -> None:
 
 
 def test_trainer_accumulation_checkpoint_resume(tmp_path) -> None:
-    ref = run_ranks(stacks.hf_trainer_loop, 2, False, str(tmp_path / "ref"), timeout=600)
-    ours = run_ranks(stacks.hf_trainer_loop, 2, True, str(tmp_path / "ours"), timeout=600)
+    ref, ours = zip(*run_ranks(stacks.both, 2, stacks.hf_trainer_loop, str(tmp_path / "out"), timeout=600))
     for rank, (a, b) in enumerate(zip(ref, ours)):
         assert b["type"] == "DistCompiledModule", b["type"]
         np.testing.assert_allclose(

@@ -30,13 +30,13 @@ def _compare(ref: list[dict], ours: list[dict]) -> None:
 
 
 def test_fabric_strategy(tmp_path) -> None:
-    ref = run_ranks(stacks.fabric_loop, 2, False, str(tmp_path / "ref.ckpt"), timeout=600)
-    _compare(ref, run_ranks(stacks.fabric_loop, 2, True, str(tmp_path / "ours.ckpt"), timeout=600))
+    _compare(*zip(*run_ranks(stacks.both, 2, stacks.fabric_loop, str(tmp_path / "fabric.ckpt"), timeout=600)))
 
 
 def test_trainer_strategy(tmp_path) -> None:
-    ref = run_ranks(stacks.lightning_trainer_loop, 2, False, str(tmp_path / "ref"), timeout=600)
-    ours = run_ranks(stacks.lightning_trainer_loop, 2, True, str(tmp_path / "ours"), timeout=600)
+    ref, ours = zip(
+        *run_ranks(stacks.both, 2, stacks.lightning_trainer_loop, str(tmp_path / "out"), timeout=600)
+    )
     _compare(ref, ours)
     # Lightning runs training_step through the model's forward, so training_step is what is
     # captured (as with Lightning's own torch.compile support): the model's graph, the pieces
