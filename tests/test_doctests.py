@@ -22,8 +22,14 @@ MODULES = sorted(
 )
 
 
+#: Modules that import an optional stack when imported (the integrations' extra).
+NEEDS = {"distcompile.integrations.lightning_strategies": "pytorch_lightning"}
+
+
 @pytest.mark.parametrize("name", MODULES)
 def test_examples_run(name: str) -> None:
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name])
     module = importlib.import_module(name)
     result = doctest.testmod(
         module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False

@@ -45,7 +45,11 @@ def data_parallel_kind(obj: object) -> str | None:
             return name
     if compat.is_fsdp_module(obj):
         return "FullyShardedDataParallel"
-    if dist.is_available() and isinstance(getattr(obj, "reducer", None), dist.Reducer):
+    try:
+        reducer = getattr(obj, "reducer", None)
+    except Exception:  # noqa: BLE001 - an odd __getattr__ on some object up the stack: not a wrapper
+        return None
+    if dist.is_available() and isinstance(reducer, dist.Reducer):
         return f"{type(obj).__qualname__} (holds a DDP reducer)"
     return None
 

@@ -32,6 +32,17 @@ def main(argv: list[str] | None = None) -> int:
         "--backend", choices=BACKENDS, default="inductor", help="segment compiler (default inductor)"
     )
     demo.add_argument("--logdir", default="runs/demo", help="TensorBoard directory (default runs/demo)")
+    demo.add_argument(
+        "--compare",
+        action="store_true",
+        help="also train with torch.compile(DDP) (DDPOptimizer) and regional compilation (each block compiled)",
+    )
+    demo.add_argument(
+        "--link",
+        choices=("loopback", "1gbit", "200mbit"),
+        default="loopback",
+        help="run 2 CPU ranks over a shaped link in network namespaces (root only; default loopback)",
+    )
     exp = sub.add_parser("explain", help="show graphs, graph breaks, segments and buckets of the example GPT")
     exp.add_argument("--n-layer", type=int, default=4)
     exp.add_argument("--n-embd", type=int, default=128)
@@ -84,7 +95,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--nproc must be >= 1 and --steps >= 2")
         from .demo import run_demo
 
-        return run_demo(nproc=args.nproc, steps=args.steps, backend=args.backend, logdir=args.logdir)
+        return run_demo(
+            nproc=args.nproc,
+            steps=args.steps,
+            backend=args.backend,
+            logdir=args.logdir,
+            compare=args.compare,
+            link=args.link,
+        )
     parser.error(f"unknown command {args.command!r}")
     return 2
 
