@@ -178,22 +178,24 @@ def _rows(res: dict, names: list[str]) -> list[str]:
 
 def _verdict(res: dict) -> str:
     ours, m = res["distcompile"], res["meta"]
-    share = ours["comm_ms"] / max(res["eager DDP"]["median_ms"], 1e-9)
-    if share < LITTLE_COMM:
-        where = (
-            f" on loopback, with {m['world_size']} ranks sharing {m['cpu_cores']} CPU cores"
-            if m["link"] == "loopback" and m["device"] == "cpu"
-            else ""
+    step = res["eager DDP"]["median_ms"]
+    share = ours["comm_ms"] / max(step, 1e-9)
+    if m["device"] == "cpu" and m["link"] == "loopback" and m["world_size"] >= (m["cpu_cores"] or 1):
+        why = (
+            f"its {m['world_size']} ranks share {m['cpu_cores']} CPU cores and talk over loopback, where an "
+            "all-reduce is a memory copy competing with backward for the same cores"
         )
+    elif share < LITTLE_COMM:
+        why = "communication is a small share of the step"
+    else:
         return (
-            f"Little to gain on this machine: all-reduce takes {ours['comm_ms']:.1f} ms of a "
-            f"{res['eager DDP']['median_ms']:.1f} ms step ({share:.0%}){where}, so overlap can hide at most that. "
-            "distcompile pays where communication is a large share of the step: a slow link "
-            "(`distcompile demo --link 1gbit`, as root), fast GPUs, bigger models (`distcompile bench`)."
+            f"distcompile overlapped {ours['overlap_pct']:.0f}% of its {ours['comm_ms']:.1f} ms of all-reduce per "
+            f"step with backward; {ours['exposed_ms']:.1f} ms stayed exposed ({share:.0%} of eager DDP's step)."
         )
     return (
-        f"distcompile overlapped {ours['overlap_pct']:.0f}% of its {ours['comm_ms']:.1f} ms of all-reduce per step "
-        f"with backward; {ours['exposed_ms']:.1f} ms stayed exposed ({share:.0%} of eager DDP's step is communication)."
+        f"Little to gain on this machine: {why} (all-reduce {ours['comm_ms']:.1f} ms of a {step:.1f} ms step). "
+        "distcompile pays where communication is a large share of the step and runs beside compute: a slow "
+        "link (`distcompile demo --link 1gbit`, as root), GPUs, bigger models (`distcompile bench`)."
     )
 
 

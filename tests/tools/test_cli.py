@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.harness import child_env
@@ -91,3 +92,18 @@ def test_explain_cli() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "1 graph(s), 0 graph break(s)" in proc.stdout and "bucket 0:" in proc.stdout, proc.stdout
     assert "wte.weight x2" in proc.stdout
+
+
+@pytest.mark.long
+def test_demo_over_a_shaped_link(tmp_path: Path) -> None:
+    from distcompile.tools.bench.netns import can_make_namespaces
+
+    reason = can_make_namespaces()
+    if reason:
+        pytest.skip(reason)
+    proc = run(
+        "-m", "distcompile.tools.cli", "demo", "--steps", "3", "--backend", "aot_eager",
+        "--logdir", str(tmp_path / "runs"), "--link", "200mbit", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 ranks on cpu (200mbit)" in proc.stdout and "-> OK" in proc.stdout, proc.stdout
