@@ -10,12 +10,7 @@ from .._config import BACKENDS
 __all__ = ["main"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``distcompile`` console script.
-
-    Example:
-        >>> # $ distcompile demo            # 2 local ranks, eager DDP vs distcompile
-    """
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="distcompile", description="Compiled data-parallel training with overlapped all-reduce."
     )
@@ -55,6 +50,16 @@ def main(argv: list[str] | None = None) -> int:
         help="the overlap benchmark (all arguments go to it; see distcompile bench -h)",
         add_help=False,
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``distcompile`` console script.
+
+    Example:
+        >>> # $ distcompile demo            # 2 local ranks, eager DDP vs distcompile
+    """
+    parser = _parser()
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["bench"]:
