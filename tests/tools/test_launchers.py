@@ -75,6 +75,7 @@ def _workers_of(launcher_pid: int) -> dict[int, int]:
     return found
 
 
+@pytest.mark.long  # three torchrun jobs of 60 steps: an end-to-end run, in the long set
 def test_elastic_restart_after_sigkill_resumes_without_loss(tmp_path: Path) -> None:
     steps = ["--steps", "60", "--ckpt-every", "5"]
     reference = _local([*TRAIN, *steps], tmp_path, NPROC="2")
