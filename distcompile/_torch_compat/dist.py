@@ -131,7 +131,7 @@ def write_summary(writer: Any, summary: Any, step: int) -> None:
 def is_fsdp_module(module: object) -> bool:
     """Whether ``module`` is sharded by FSDP (``FullyShardedDataParallel`` or ``fully_shard``).
 
-    Checked: 2.13 (``torch.distributed.fsdp.FullyShardedDataParallel``, ``FSDPModule``).
+    Checked: 2.13, 2.15 (``torch.distributed.fsdp.FullyShardedDataParallel``, ``FSDPModule``).
 
     Example:
         >>> is_fsdp_module(torch.nn.Linear(1, 1))

@@ -79,7 +79,7 @@ def is_compiled_module(module: object) -> bool:
 
 
 def compiled_original(module: torch.nn.Module) -> torch.nn.Module:
-    """The module ``torch.compile`` was given, for its result ``module``. Checked: 2.13 (``_orig_mod``).
+    """The module ``torch.compile`` was given, for its result ``module``. Checked: 2.13, 2.15 (``_orig_mod``).
 
     Example:
         >>> net = torch.nn.Linear(1, 1)
@@ -122,7 +122,7 @@ def inductor_compiler(*, mode: str | None, dynamic: bool | None, cudagraphs: boo
 def inductor_modes() -> frozenset[str]:
     """The ``mode`` presets Inductor knows in this torch release.
 
-    Checked: 2.13 (``torch._inductor.list_mode_options()``: default, lite, reduce-overhead,
+    Checked: 2.13, 2.15 (``torch._inductor.list_mode_options()``: default, lite, reduce-overhead,
     max-autotune, max-autotune-no-cudagraphs).
 
     Example:
@@ -209,7 +209,7 @@ def dynamo_control_flow() -> tuple[type[BaseException], ...]:
     ``TensorifyScalarRestartAnalysis`` under ``dynamic=True``) and must go back to TorchDynamo
     untouched: it catches them, retraces and calls the backend again.
 
-    Checked: 2.13 (``torch._dynamo.exc.RestartAnalysis``, ``SkipFrame``; both date from torch 2.0).
+    Checked: 2.13, 2.15 (``torch._dynamo.exc.RestartAnalysis``, ``SkipFrame``; both date from torch 2.0).
 
     Example:
         >>> any(issubclass(ValueError, t) for t in dynamo_control_flow())
