@@ -39,6 +39,11 @@ def _device_and_backend() -> tuple[str, str]:
     return "cpu", "gloo"
 
 
+def _tag(name: str) -> str:
+    """A variant's short name: its TensorBoard run and its private forward code's tag."""
+    return "distcompile" if name == "distcompile" else name.split()[0].replace(",", "").replace(".", "_")
+
+
 def _build(name: str, cfg: object, device: str, backend: str, logdir: str) -> object:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -50,7 +55,7 @@ def _build(name: str, cfg: object, device: str, backend: str, logdir: str) -> ob
 
     torch.manual_seed(0)
     # Each variant its own forward code object: TorchDynamo's caches stay apart.
-    model = own_forward_code(GPT(cfg).to(device), name.split()[0].replace(",", ""))
+    model = own_forward_code(GPT(cfg).to(device), _tag(name))
     if name == "regional compile":  # one backend object, so every block reuses the first's code
         compiler = compat.lookup_backend(backend)
         for block in model.blocks:
@@ -135,8 +140,7 @@ def worker(argv: list[str]) -> None:
     cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=128)
     results = {}
     for name in args.variants.split(";"):
-        tag = "distcompile" if name == "distcompile" else name.split()[0].replace(",", "").replace(".", "_")
-        writer = SummaryWriter(os.path.join(args.logdir, tag)) if rank == 0 else None
+        writer = SummaryWriter(os.path.join(args.logdir, _tag(name))) if rank == 0 else None
         model = _build(name, cfg, device, args.backend, args.logdir)
         results[name] = _train(name, model, cfg, args.steps, device, writer)
         if writer is not None:
