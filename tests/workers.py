@@ -71,7 +71,7 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
                 amp = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else _null()
                 with ctx, amp:
                     loss = loss_fn(model_name, model(x), y)
-                    loss.backward(retain_graph=case == "retain_graph")
+                    loss.backward(retain_graph=case.startswith("retain_graph"))
                 total += loss.item()
             if slot == 0:
                 losses.append((total, float("nan")))
@@ -452,3 +452,21 @@ def progress_lines(rank: int, world: int) -> str:
         with torch.no_grad():
             model(torch.randn(6, 64))  # an inference graph: no buckets, no backward to compile
     return err.getvalue()
+
+
+def shared_compile(rank: int, world: int, cache_dir: str) -> dict:
+    """``parity`` of a GPT under Inductor, both ranks on one empty compile cache, with retain_graph=True.
+
+    Returns the parity result plus this rank's AOTAutograd compiles and cache hits.
+    """
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    # Shared compiles build each backward with its forward, for a plain backward; what
+    # docs/debugging.md tells a user of retain_graph=True to set:
+    torch._functorch.config.donated_buffer = False
+    before = distcompile._torch_compat.aot_autograd_counts()
+    result = parity(rank, world, "gpt", "inductor", "retain_graph_shared")
+    after = distcompile._torch_compat.aot_autograd_counts()
+    result["aot_hits"] = after[1] - before[1]
+    result["aot_compiled"] = after[0] - before[0] - result["aot_hits"]
+    result["peers"] = len(os.listdir(os.path.join(cache_dir, "distcompile-peers")))
+    return result

@@ -27,6 +27,7 @@ __all__ = [
     "inductor_modes",
     "is_compiled_module",
     "lookup_backend",
+    "probe_cpu_isas",
     "set_optimize_ddp",
 ]
 
@@ -170,6 +171,39 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return cache_dir()
+
+
+def probe_cpu_isas(*, start: int, of: int) -> int:
+    """Run Inductor's one-time checks of this CPU's vector instruction sets, from share ``start`` of ``of``.
+
+    Before it generates its first C++ kernel, Inductor builds and loads a small library
+    for each instruction set the CPU reports (AVX2, AVX-512, ...), under a file lock in
+    its cache folder: seconds each on an empty cache, and every rank of a machine waits
+    for them in turn. Ranks that start at different shares build different ones side by
+    side and then find the others built. Returns how many were checked now (0 when
+    already done in this process, or not an x86 CPU). Checked: 2.13, 2.15
+    (``torch._inductor.cpu_vec_isa``: ``supported_vec_isa_list``, ``x86_isa_checker``;
+    ``bool(isa)`` runs the check once and remembers it).
+
+    Example:
+        >>> probe_cpu_isas(start=0, of=1) >= 0
+        True
+    """
+    import platform
+
+    from torch._inductor import config
+    from torch._inductor import cpu_vec_isa as vec
+
+    if platform.machine() not in ("x86_64", "AMD64") or config.cpp.vec_isa_ok is not None:
+        return 0
+    if vec.valid_vec_isa_list.cache_info().currsize:  # checked already
+        return 0
+    flags = vec.x86_isa_checker()
+    isas = [isa for isa in vec.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
+    first = start * len(isas) // max(of, 1)
+    for isa in isas[first:] + isas[:first]:
+        bool(isa)
+    return len(isas)
 
 
 def compile_cache_hits() -> int:

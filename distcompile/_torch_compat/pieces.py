@@ -12,7 +12,11 @@ from .version import unsupported
 
 __all__ = [
     "aot_autograd_counts",
+    "aot_cacheable",
+    "backward_compiled_eagerly",
+    "compile_caches_enabled",
     "copy_dynamo_metadata",
+    "eager_backward",
     "fake_mode_of",
     "fake_module",
     "is_fake",
@@ -218,3 +222,77 @@ def reorder_piece_metadata(order: list[int]) -> None:
     if sorted(order) != list(range(len(ctx.metadata_per_bucket))):
         raise ValueError(f"order {order} is not a permutation of {len(ctx.metadata_per_bucket)} entries")
     ctx.metadata_per_bucket[:] = [ctx.metadata_per_bucket[i] for i in order]
+
+
+def eager_backward() -> contextlib.AbstractContextManager:
+    """A context in which AOTAutograd compiles a piece's backward with its forward.
+
+    Normally the backward is compiled at its first run, and AOTAutograd's cache entry is
+    written only then; compiled at once, the entry is whole when the compile returns, so
+    another process can load both. The backward is compiled for ``retain_graph=False``
+    (donated buffers): ``backward(retain_graph=True)`` then needs
+    ``torch._functorch.config.donated_buffer = False``, as after any AOTAutograd cache hit.
+    Checked: 2.13, 2.15 (``torch._functorch.config.force_non_lazy_backward_lowering``).
+
+    Example:
+        >>> with eager_backward():
+        ...     pass
+    """
+    from torch._functorch import config
+
+    if not hasattr(config, "force_non_lazy_backward_lowering"):
+        return contextlib.nullcontext()
+    return config.patch(force_non_lazy_backward_lowering=True)
+
+
+def compile_caches_enabled() -> bool:
+    """Whether compiles go through Inductor's FX-graph cache and AOTAutograd's cache. Checked: 2.11-2.15.
+
+    Example:
+        >>> isinstance(compile_caches_enabled(), bool)
+        True
+    """
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config
+
+    return bool(
+        config.fx_graph_cache
+        and not config.force_disable_caches
+        and getattr(functorch_config, "enable_autograd_cache", False)
+    )
+
+
+def backward_compiled_eagerly() -> bool:
+    """Whether AOTAutograd compiles backwards with their forwards now (``eager_backward``).
+
+    Checked: 2.13, 2.15.
+
+    Example:
+        >>> backward_compiled_eagerly()
+        False
+    """
+    from torch._functorch import config
+
+    return bool(getattr(config, "force_non_lazy_backward_lowering", False))
+
+
+def aot_cacheable(piece: fx.GraphModule) -> bool:
+    """Whether AOTAutograd's cache would take ``piece`` (its per-operation check only).
+
+    A call of an unknown Python function (``allow_in_graph``, a plain wrapped helper)
+    makes AOTAutograd bypass its cache. Checked: 2.13, 2.15
+    (``torch._functorch._aot_autograd.autograd_cache.check_cacheable``).
+
+    Example:
+        >>> aot_cacheable(fx.symbolic_trace(torch.nn.ReLU()))
+        True
+    """
+    try:
+        from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_cacheable
+    except ImportError:
+        return True  # the compile itself tells; a shared piece is then compiled again
+    try:
+        check_cacheable(piece)
+    except BypassAOTAutogradCache:
+        return False
+    return True

@@ -36,6 +36,7 @@ from ..capture.graph import CapturedGraph, read_graph
 from ..planning.costs import CostModel
 from ..planning.plan import GraphCosts, Plan, plan_graph
 from .segments import inner_compiler, split_and_compile
+from .sharing import CompileSharing
 
 __all__ = ["BucketRegistry", "CompileObserver", "CompileTarget", "GraphCompiler", "GraphRecord"]
 
@@ -174,6 +175,15 @@ class GraphCompiler:
         self._guard_failures: list[str] = []
         self._doing = ""
         self._calls = 0
+        # Note [Sharing compiles between ranks]: only Inductor's compiles, through its caches.
+        self._sharing = CompileSharing(
+            default_store,
+            f"{target.store_prefix}/compiles",
+            rank=target.rank,
+            ranks=target.ranks,
+            timeout_s=config.desync_timeout_s,
+            enabled=config.backend == "inductor" and compat.compile_caches_enabled(),
+        )
         self._compiler = inner_compiler(
             config.backend, mode=config.mode, cudagraphs=config.cudagraphs, dynamic=config.dynamic
         )
@@ -354,8 +364,18 @@ class GraphCompiler:
             plan=plan,
             compiler=timed_compiler,
             cacheable=cfg.backend == "inductor",
+            sharing=self._sharing,
+            graph=f"call{self._calls}",
         )
         return compiled, segment_s, reused
+
+    def _backward_note(self) -> str:
+        if self.target.config.backend == "eager" or not torch.is_grad_enabled():
+            return ""
+        peers = self._sharing.peers or ()
+        if len(peers) > 1:  # Note [Sharing compiles between ranks]
+            return f"; compiles split between ranks {list(peers)} (backward included)"
+        return "; its backward compiles during the first backward"
 
     def _register(self, graph_id: int, plan: Plan) -> None:
         self._doing = "registering the graph's buckets"
@@ -371,9 +391,7 @@ class GraphCompiler:
             record.compile_s,
             record.pieces_reused,
             record.cache_hits,
-            "; its backward compiles during the first backward"
-            if t.config.backend != "eager" and torch.is_grad_enabled()
-            else "",
+            self._backward_note(),
         )
         reasons = record.recompile_reasons
         if reasons:

@@ -20,6 +20,7 @@ from .. import _torch_compat as compat
 from ..capture.graph import CapturedGraph
 from ..planning.plan import Plan
 from .reuse import backward_order, piece_key
+from .sharing import CompileJob, CompileSharing
 
 __all__ = ["inner_compiler", "split_and_compile"]
 
@@ -61,26 +62,35 @@ def _may_change_layout(piece: fx.GraphModule) -> bool:
     return not compat.inductor_keeps_output_strides()
 
 
+def _strides(out: object) -> list[tuple]:
+    return [(tuple(t.shape), t.stride()) for t in compat.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def _needs_backward(args: Sequence[object]) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
 @functools.cache
 def _piece_compiler_class() -> type:
     class PieceCompiler(compat.piece_compiler_base()):
         """PyTorch's DDPOptimizer interpreter, with AOTAutograd's cache left usable and repeats reused.
 
         DDPOptimizer compiles every piece with ``fakify_first_call`` so that the strides
-        Inductor chose for a piece's outputs reach the next piece's compile; AOTAutograd
-        refuses to cache such graphs, so a warm restart re-ran AOTAutograd for every piece
-        (measured: 4-7 s of a warm first step). A piece without convolutions keeps eager
-        strides on its outputs under Inductor, so for those (when ``cacheable``) the next
-        piece's inputs come from running the uncompiled piece on fake tensors, and the
-        compile is cacheable. On that path a piece interchangeable with one compiled
-        before (``reuse.piece_key``: a repeated block) takes that compiled function
-        instead of being compiled again.
+        Inductor chose for a piece's outputs reach the next piece's compile, which
+        AOTAutograd refuses to cache. A piece without convolutions keeps eager strides on
+        its outputs under Inductor, so for those (when ``cacheable``) the next piece's
+        inputs come from running the uncompiled piece on fake tensors, and the piece is
+        collected as a job, one per distinct piece (``reuse.piece_key``: a repeated block
+        is one job), compiled after the walk (``_compile_jobs``), cacheably, and shared
+        between ranks (Note [Sharing compiles between ranks]).
         """
 
         cacheable = False
 
         def setup(self) -> None:
-            self.by_key: dict[str, torch.nn.Module] = {}
+            self.jobs: list[CompileJob] = []
+            self.job_of_key: dict[str, int] = {}
+            self.deferred: list[tuple[fx.Node, int]] = []
             self.reused = 0
             self.position = 0
             # Per metadata entry: (key or None, position, piece needs a backward).
@@ -91,59 +101,74 @@ def _piece_compiler_class() -> type:
             if n.op != "call_module":
                 return super().run_node(n)
             self.position += 1
-            before = compat.piece_metadata_count()
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             real_mod = self.fetch_attr(str(n.target))
-            key = None
-            if not self.cacheable or _may_change_layout(real_mod):
-                out = super().run_node(n)
+            if self.cacheable and not _may_change_layout(real_mod):
+                return self._defer(n, real_mod, args)
+            before = compat.piece_metadata_count()
+            out = super().run_node(n)
+            for _ in range(compat.piece_metadata_count() - before):
+                self.entries.append((None, self.position, _needs_backward(args)))
+            return out
+
+        def _defer(self, n: fx.Node, real_mod: fx.GraphModule, args: tuple) -> object:
+            key = piece_key(real_mod, args)
+            fake_args = [compat.to_fake(a, self.fake_mode) for a in args]
+            job = self.job_of_key.get(key) if key is not None else None
+            if job is None:
+                job = len(self.jobs)
+                shareable = compat.aot_cacheable(real_mod)
+                self.jobs.append(
+                    CompileJob(real_mod, fake_args, key, self.position, _needs_backward(args), shareable)
+                )
+                if key is not None:
+                    self.job_of_key[key] = job
             else:
-                key = piece_key(real_mod, args)
-                out = self._run_cacheable(n, real_mod, args, kwargs, key)
+                self.reused += 1
             if key is not None:
                 self.last_use[key] = self.position
-            needs_backward = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-            for _ in range(compat.piece_metadata_count() - before):
-                self.entries.append((key, self.position, needs_backward))
-            return out
-
-        def _run_cacheable(
-            self, n: fx.Node, real_mod: fx.GraphModule, args: tuple, kwargs: dict, key: str | None
-        ) -> object:
-            fake_args = [compat.to_fake(a, self.fake_mode) for a in args]
-            fake_mod = compat.fake_module(real_mod, self.fake_mode)
-            compiled = self.by_key.get(key) if key is not None else None
-            if compiled is not None:
-                self.reused += 1
-            else:
-                counts = compat.aot_autograd_counts()
-                compiled = self.compile_submod(real_mod, fake_args, kwargs)
-                after = compat.aot_autograd_counts()
-                if counts[0] != after[0] and counts[1] == after[1]:
-                    # A piece loaded from AOTAutograd's cache brings its compiled backward
-                    # along and takes no metadata entry; a compiled one does.
-                    compat.record_piece_metadata()
-                if key is not None:
-                    self.by_key[key] = compiled
-            self.module.delete_submodule(n.target)
-            n.target = "compiled_" + n.target
-            self.module.add_submodule(n.target, compiled)
+            self.deferred.append((n, job))
+            # A piece with a key holds no tensors (reuse.piece_key), so it runs on fake
+            # inputs as it is; any other gets fake copies of its parameters and buffers.
+            fake_mod = real_mod if key is not None else compat.fake_module(real_mod, self.fake_mode)
             with self.fake_mode, unittest.mock.patch.object(self.fake_mode, "allow_non_fake_inputs", True):
-                out = fake_mod(*fake_args, **kwargs)
+                out = fake_mod(*fake_args)
             if log.isEnabledFor(logging.DEBUG):
-                strides = [
-                    (tuple(t.shape), t.stride())
-                    for t in compat.tree_leaves(out)
-                    if isinstance(t, torch.Tensor)
-                ]
-                log.debug("%s outputs (shape, stride): %s", n.target, strides)
+                log.debug("%s outputs (shape, stride): %s", n.target, _strides(out))
             return out
-
-        def order_metadata(self) -> None:
-            """Order the metadata as the lazy backward compiles will consume it (``backward_order``)."""
-            compat.reorder_piece_metadata(backward_order(self.entries, self.last_use))
 
     return PieceCompiler
+
+
+def _compile_jobs(interpreter: fx.Interpreter, sharing: CompileSharing | None, graph: str) -> None:
+    """Compile the walk's jobs, put each compiled piece in its nodes' place, order the metadata.
+
+    Alone, a job's backward is compiled at its first run, which reads the piece's
+    AOTAutograd metadata from the tracing context: a compiled job adds its entry (one
+    loaded from AOTAutograd's cache brings its backward along and adds none), and the
+    entries are put in the order the lazy backward compiles take them (``backward_order``).
+    Shared, the backward is compiled with the forward and needs no entry.
+    """
+    entries = interpreter.entries
+
+    def compile_one(job: CompileJob) -> object:
+        counts = compat.aot_autograd_counts()
+        compiled = interpreter.compile_submod(job.module, job.args, {})
+        after = compat.aot_autograd_counts()
+        if not compat.backward_compiled_eagerly() and counts[0] != after[0] and counts[1] == after[1]:
+            compat.record_piece_metadata()
+            entries.append((job.key, job.position, job.needs_backward))
+        return compiled
+
+    if sharing is None:
+        compiled = [compile_one(job) for job in interpreter.jobs]
+    else:
+        compiled = sharing.compile_all(interpreter.jobs, compile_one=compile_one, graph=graph)
+    for n, job in interpreter.deferred:
+        interpreter.module.delete_submodule(n.target)
+        n.target = "compiled_" + n.target
+        interpreter.module.add_submodule(n.target, compiled[job])
+    compat.reorder_piece_metadata(backward_order(entries, interpreter.last_use))
 
 
 def split_and_compile(
@@ -154,6 +179,8 @@ def split_and_compile(
     plan: Plan,
     compiler: CompilerFn,
     cacheable: bool = False,
+    sharing: CompileSharing | None = None,
+    graph: str = "",
 ) -> tuple[Callable, int]:
     """Compile ``gm`` as ``len(plan.pieces)`` separately compiled pieces.
 
@@ -187,7 +214,7 @@ def split_and_compile(
         interpreter.setup()
         interpreter.cacheable = cacheable
         interpreter.run(*example_inputs)
-        interpreter.order_metadata()
+        _compile_jobs(interpreter, sharing, graph)
     split_gm.recompile()
     log.debug("split graph:\n%s", split_gm.graph)
     return split_gm, interpreter.reused

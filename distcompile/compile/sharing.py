@@ -1,0 +1,223 @@
+"""Note [Sharing compiles between ranks]
+
+Background
+    Every rank of a data-parallel job compiles the same pieces. The ranks of one machine
+    share Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``, by default one folder
+    per user under the system's temporary folder), yet each compiles everything itself:
+    on a machine of 8 GPUs the same AOTAutograd trace and Inductor lowering runs 8
+    times, side by side, and the first step waits for all of it.
+
+Algorithm
+    At the first compile, the ranks find out which of them see each other's files in the
+    cache folder (``cache_peers``: each writes a file named by a token of this job, then
+    looks for the others'). Those peers split the distinct pieces of a graph between
+    them, largest first, each to the least loaded peer (``assign``), so every one has
+    about the same work. A peer compiles its share, forward and backward at once (so that
+    the cache entry is whole; ``compat.eager_backward``), and marks each piece done in
+    the process group's store. Then it takes the others' pieces as they are marked done:
+    AOTAutograd's cache hands it the compiled forward and backward.
+
+Notes
+    Only cacheable pieces are shared (``compile/segments.py``): those are compiled from
+    fake inputs that do not depend on another piece's compiled output. Nothing waits
+    forever: a peer that does not mark a piece done within ``desync_timeout_s`` (it
+    died, or its compile is still going) is not waited for, and this rank compiles the
+    piece itself. A piece the cache cannot hold is compiled again by each rank that
+    needs it: slower, never wrong, since each rank still compiles or loads every piece
+    it runs.
+
+Debugging
+    ``DISTCOMPILE_LOG=debug`` logs which pieces this rank compiled and which it loaded;
+    the ``cache hit(s)`` count of the compile log line says how many loads hit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+from torch import fx
+
+from .. import _torch_compat as compat
+
+__all__ = ["CompileJob", "CompileSharing", "assign", "cache_peers"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CompileJob:
+    """One distinct piece to compile.
+
+    Attributes:
+        module: The piece.
+        args: Its (fake) example inputs.
+        key: ``reuse.piece_key`` of the piece, or ``None`` (it stands for itself alone).
+        position: Where its first use comes among the graph's pieces (1 for the first).
+        needs_backward: Whether any of its inputs requires a gradient.
+        shareable: Whether a peer can load it from AOTAutograd's cache
+            (``compat.aot_cacheable``); if not, every rank compiles it.
+    """
+
+    module: fx.GraphModule
+    args: list
+    key: str | None
+    position: int = 0
+    needs_backward: bool = False
+    shareable: bool = True
+
+    @property
+    def cost(self) -> int:
+        """Operations in the piece: the compile work, roughly."""
+        return sum(1 for n in self.module.graph.nodes if n.op not in ("placeholder", "output", "get_attr"))
+
+
+def assign(costs: Sequence[int], peers: int) -> list[int]:
+    """Owner (peer index) of each job: largest first, each to the least loaded peer.
+
+    Example:
+        >>> assign([5, 20, 3, 10], 2)
+        [1, 0, 1, 1]
+    """
+    load = [0] * peers
+    owner = [0] * len(costs)
+    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        p = min(range(peers), key=lambda p: (load[p], p))
+        owner[j] = p
+        load[p] += costs[j]
+    return owner
+
+
+def cache_peers(
+    store: object, prefix: str, *, rank: int, ranks: Sequence[int], timeout_s: float
+) -> tuple[int, ...]:
+    """The ranks of ``ranks`` that see this rank's files in Inductor's cache folder (itself included).
+
+    Collective over ``ranks`` (each must call it with the same ``prefix``). A rank that
+    cannot write the folder, or does not hear from the others in time, shares with nobody.
+
+    Example:
+        >>> # cache_peers(default_store(), "distcompile/wrap0/peers", rank=0, ranks=[0, 1], timeout_s=60)
+    """
+    if len(ranks) < 2:
+        return (rank,)
+    wait = timedelta(seconds=timeout_s)
+    folder = os.path.join(compat.inductor_cache_dir(), "distcompile-peers")
+    mine = ""
+    try:
+        if rank == ranks[0]:
+            store.set(f"{prefix}/token", uuid.uuid4().hex)
+        store.wait([f"{prefix}/token"], wait)
+        token = store.get(f"{prefix}/token").decode()
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, f"{token}-{rank}"), "w"):
+                mine = os.path.join(folder, f"{token}-{rank}")
+        except OSError as exc:
+            log.debug("cannot write in %s (%s): this rank compiles every piece itself", folder, exc)
+        store.set(f"{prefix}/wrote/{rank}", "1")
+        store.wait([f"{prefix}/wrote/{r}" for r in ranks], wait)
+        seen = tuple(r for r in ranks if mine and os.path.exists(os.path.join(folder, f"{token}-{r}")))
+        store.set(f"{prefix}/read/{rank}", "1")
+        store.wait([f"{prefix}/read/{r}" for r in ranks], wait)
+    except Exception as exc:  # noqa: BLE001 - the store's timeout error type differs across versions
+        log.warning(
+            "rank %d: could not find the ranks sharing its compile cache (%s); compiling alone", rank, exc
+        )
+        seen = ()
+    finally:
+        if mine:
+            os.remove(mine)
+    return seen or (rank,)
+
+
+class CompileSharing:
+    """Compiles each graph's distinct pieces, each on one of the peers, and loads the rest.
+
+    The peers (``cache_peers``) are found at the first ``compile_all``, which every rank
+    of ``ranks`` must reach (as every rank compiles its first graph); ``enabled=False``
+    compiles everything here.
+
+    Example:
+        >>> solo = CompileSharing(lambda: None, "", rank=0, ranks=(0,), timeout_s=1)
+        >>> solo.compile_all([], compile_one=lambda job: None, graph="call1")
+        []
+    """
+
+    def __init__(
+        self,
+        store: Callable[[], object],
+        prefix: str,
+        *,
+        rank: int,
+        ranks: Sequence[int],
+        timeout_s: float,
+        enabled: bool = True,
+    ) -> None:
+        self._store = store
+        self.prefix = prefix
+        self.rank = rank
+        self.ranks = tuple(ranks) if enabled else (rank,)
+        self.timeout_s = timeout_s
+        self.peers: tuple[int, ...] | None = None
+
+    def find_peers(self) -> tuple[int, ...]:
+        """The peers, found on first use (collective over ``ranks``)."""
+        if self.peers is None:
+            self.peers = cache_peers(
+                self._store(),
+                f"{self.prefix}/peers",
+                rank=self.rank,
+                ranks=self.ranks,
+                timeout_s=self.timeout_s,
+            )
+        return self.peers
+
+    def compile_all(
+        self, jobs: Sequence[CompileJob], *, compile_one: Callable[[CompileJob], object], graph: str
+    ) -> list:
+        """``compile_one(job)`` for every job, this rank's share first; the results in job order.
+
+        ``graph`` names the compile (the same on every rank), so that its jobs' keys in
+        the store are its own. Under ``compat.eager_backward`` when shared.
+        """
+        peers = self.find_peers()
+        if len(peers) == 1:
+            return [compile_one(job) for job in jobs]
+        store, wait = self._store(), timedelta(seconds=self.timeout_s)
+        # By position: every rank has the same jobs (the graphs agree); piece keys name
+        # objects by their id, which differs between ranks.
+        done = [f"{self.prefix}/{graph}/{len(jobs)}/{j}" for j in range(len(jobs))]
+        owner = assign([job.cost if job.shareable else 0 for job in jobs], len(peers))
+        mine = [j for j, job in enumerate(jobs) if peers[owner[j]] == self.rank or not job.shareable]
+        out: list = [None] * len(jobs)
+        if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for job in jobs for a in job.args):
+            # Inductor's one-time CPU checks come before its first C++ kernel: split them too.
+            compat.probe_cpu_isas(start=peers.index(self.rank), of=len(peers))
+        with compat.eager_backward():
+            for j in mine:
+                try:
+                    out[j] = compile_one(jobs[j])
+                finally:  # done or failed: the peers stop waiting either way
+                    store.set(done[j], str(self.rank))
+            for j in (j for j in range(len(jobs)) if j not in mine):
+                try:
+                    store.wait([done[j]], wait)
+                except Exception:  # noqa: BLE001 - the store's timeout error type differs across versions
+                    log.warning(
+                        "rank %d: rank %d did not compile its share within %.0f s (desync_timeout_s); "
+                        "compiling that piece here",
+                        self.rank,
+                        peers[owner[j]],
+                        self.timeout_s,
+                    )
+                out[j] = compile_one(jobs[j])
+        log.debug(
+            "rank %d compiled %d of %d distinct piece(s); peers %s", self.rank, len(mine), len(jobs), peers
+        )
+        return out

@@ -1,0 +1,78 @@
+"""Ranks that share a compile cache split the compiles (Note [Sharing compiles between ranks])."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+import pytest
+import torch.distributed as dist
+from torch import fx, nn
+
+from distcompile.compile.sharing import CompileJob, CompileSharing, assign
+from tests import workers
+from tests.harness import run_ranks
+from tests.runtime.test_parity import TOL, _check
+
+
+def test_largest_jobs_go_first_to_the_least_loaded_peer() -> None:
+    assert assign([5, 20, 3, 10], 2) == [1, 0, 1, 1]  # loads 20 and 18
+    assert assign([4, 22, 2], 2) == [1, 0, 1]  # embedding and head against one block
+    assert assign([7, 7, 7], 1) == [0, 0, 0]
+    assert assign([], 3) == []
+    assert sorted(assign([1, 1, 1, 1], 4)) == [0, 1, 2, 3]  # ties: one each, in order
+
+
+def test_a_rank_compiles_its_share_then_waits_for_its_peer_but_never_forever(caplog) -> None:  # noqa: ANN001
+    big = fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2), nn.Tanh()))
+    small = fx.symbolic_trace(nn.ReLU())
+    jobs = [
+        CompileJob(big, [], "big"),
+        CompileJob(small, [], "small"),
+        CompileJob(small, [], None, shareable=False),
+    ]
+    store = dist.HashStore()
+    sharing = CompileSharing(lambda: store, "t", rank=0, ranks=(0, 1), timeout_s=0.2)
+    sharing.peers = (0, 1)  # as cache_peers would find them; rank 1 never shows up
+    order: list[int] = []
+    with caplog.at_level(logging.WARNING):
+        out = sharing.compile_all(
+            jobs, compile_one=lambda job: order.append(jobs.index(job)) or job.key, graph="g"
+        )
+    # Its own share (the big job) and the unshareable one first; then the peer's, after the wait.
+    assert order == [0, 2, 1] and out == ["big", "small", None]
+    assert "rank 1 did not compile its share within 0 s" in caplog.text
+    assert store.check(["t/g/3/0", "t/g/3/2"]) and not store.check(["t/g/3/1"])
+
+
+def _peers(rank: int, world: int, folders: list[str]) -> tuple[int, ...]:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folders[rank]
+    from distcompile._agreement import default_store
+    from distcompile.compile.sharing import cache_peers
+
+    return cache_peers(default_store(), "test/peers", rank=rank, ranks=list(range(world)), timeout_s=60)
+
+
+def test_peers_are_the_ranks_that_see_one_cache_folder() -> None:
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        assert run_ranks(_peers, 3, [a, a, b], timeout=120) == [(0, 1), (0, 1), (2,)]
+        for folder in (a, b):  # the marker files are gone
+            assert os.listdir(os.path.join(folder, "distcompile-peers")) == []
+
+
+@pytest.mark.slow
+def test_ranks_compile_their_share_and_load_the_rest() -> None:
+    """2 ranks, one empty cache: each piece is compiled once in all; parity with eager DDP holds.
+
+    Also the documented way to keep ``backward(retain_graph=True)`` with shared compiles
+    (``torch._functorch.config.donated_buffer = False``).
+    """
+    with tempfile.TemporaryDirectory() as cache:
+        results = run_ranks(workers.shared_compile, 2, cache, timeout=900)
+    _check(results, TOL["inductor"])
+    jobs = sum(p - r for p, r in zip(results[0]["pieces"], results[0]["pieces_reused"]))
+    compiled = [r["aot_compiled"] for r in results]
+    assert jobs >= 2 and sum(compiled) == jobs and min(compiled) >= 1, (jobs, compiled)
+    assert [r["aot_hits"] for r in results] == [jobs - c for c in compiled]
+    assert results[0]["peers"] == 0
