@@ -147,7 +147,7 @@ def test_dynamic_shapes_match_eager_ddp(case: str, backend: str, graphs: int) ->
     assert 1 <= results[0]["graphs"] <= graphs, results[0]["graphs"]
 
 
-@pytest.mark.slow
+@pytest.mark.long  # test_sharing.py runs retain_graph=True under Inductor in the default set
 def test_retain_graph_under_inductor() -> None:
     """backward(retain_graph=True) from the first step, as under torch.compile.
 
