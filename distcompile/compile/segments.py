@@ -66,6 +66,47 @@ def _strides(out: object) -> list[tuple]:
     return [(tuple(t.shape), t.stride()) for t in compat.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
+def _fresh_outputs_allowed(out: object, inputs: Sequence[object]) -> bool:
+    """Whether new tensors shaped like ``out`` stand for a sibling piece's outputs.
+
+    Yes when every output is a tensor with a storage of its own, shared with no input and
+    no other output (a view would have to alias its sibling's input instead).
+    """
+    leaves = compat.tree_leaves(out)
+    if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+        return False
+    ref = torch.multiprocessing.reductions.StorageWeakRef
+    taken = {ref(t.untyped_storage()) for t in inputs if isinstance(t, torch.Tensor)}
+    for t in leaves:
+        storage = ref(t.untyped_storage())
+        if storage in taken:
+            return False
+        taken.add(storage)
+    return True
+
+
+def _fresh_outputs(template: object, fake_mode: object) -> object | None:
+    """New fake tensors with ``template``'s shapes, strides, dtypes and ``requires_grad``.
+
+    Running a repeated block's piece again on fake tensors would give the same metadata
+    (its inputs match its first sibling's: ``reuse.piece_key``) at the cost of tracing
+    it; at depth, and with symbolic shapes, that was most of the walk. ``None`` if there
+    is no template or a stride would not come out the same.
+    """
+    if template is None:
+        return None
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        # A non-leaf, like a computed output (a leaf requiring grad refuses in-place use).
+        return new.requires_grad_().clone(memory_format=torch.preserve_format) if t.requires_grad else new
+
+    with fake_mode:
+        out = compat.tree_map_only(torch.Tensor, fresh, template)
+    pairs = zip(compat.tree_leaves(out), compat.tree_leaves(template))
+    return out if all(a.stride() == b.stride() for a, b in pairs) else None
+
+
 def _needs_backward(args: Sequence[object]) -> bool:
     return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
@@ -91,6 +132,7 @@ def _piece_compiler_class() -> type:
             self.jobs: list[CompileJob] = []
             self.job_of_key: dict[str, int] = {}
             self.deferred: list[tuple[fx.Node, int]] = []
+            self.outputs: dict[int, object] = {}  # job -> its first piece's fake outputs
             self.reused = 0
             self.position = 0
             # Per metadata entry: (key or None, position, piece needs a backward).
@@ -128,11 +170,16 @@ def _piece_compiler_class() -> type:
             if key is not None:
                 self.last_use[key] = self.position
             self.deferred.append((n, job))
+            out = _fresh_outputs(self.outputs.get(job), self.fake_mode)
+            if out is not None:  # a repeated block: its outputs are like its first sibling's
+                return out
             # A piece with a key holds no tensors (reuse.piece_key), so it runs on fake
             # inputs as it is; any other gets fake copies of its parameters and buffers.
             fake_mod = real_mod if key is not None else compat.fake_module(real_mod, self.fake_mode)
             with self.fake_mode, unittest.mock.patch.object(self.fake_mode, "allow_non_fake_inputs", True):
                 out = fake_mod(*fake_args)
+            if key is not None and _fresh_outputs_allowed(out, fake_args):
+                self.outputs[job] = out
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s outputs (shape, stride): %s", n.target, _strides(out))
             return out
