@@ -19,16 +19,18 @@ Algorithm
 
 Notes
     Only cacheable pieces are shared (``compile/segments.py``): those are compiled from
-    fake inputs that do not depend on another piece's compiled output. Nothing waits
-    forever: a peer that does not mark a piece done within ``desync_timeout_s`` (it
-    died, or its compile is still going) is not waited for, and this rank compiles the
-    piece itself. A piece the cache cannot hold is compiled again by each rank that
-    needs it: slower, never wrong, since each rank still compiles or loads every piece
-    it runs.
+    fake inputs that do not depend on another piece's compiled output. A piece that
+    AOTAutograd would not cache (``compat.aot_cacheable``) is compiled by every rank.
+    Nothing waits forever: a peer's share is waited for as long as Inductor waits for
+    another process's compile (``PEER_WAIT_S``, or ``desync_timeout_s`` if longer, with
+    a log line every ``desync_timeout_s``); then this rank compiles the piece itself. A
+    piece the cache does not hand over after all is compiled again here: slower, never
+    wrong, since each rank still compiles or loads every piece it runs.
 
 Debugging
-    ``DISTCOMPILE_LOG=debug`` logs which pieces this rank compiled and which it loaded;
-    the ``cache hit(s)`` count of the compile log line says how many loads hit.
+    The compile log line names the ranks that split the compiles and counts cache hits
+    (the pieces loaded); at DEBUG level (``logging.getLogger("distcompile")``) each rank
+    says how many it compiled.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ from .. import _torch_compat as compat
 __all__ = ["CompileJob", "CompileSharing", "assign", "cache_peers"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds a rank waits at least for a peer's share of the compiles.
+PEER_WAIT_S = 600.0
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -178,6 +183,31 @@ class CompileSharing:
             )
         return self.peers
 
+    def _wait_for(self, store: object, key: str, peer: int) -> None:
+        # As long as Inductor waits for another process's compile of a kernel (its file
+        # locks' 10 minutes), or desync_timeout_s if longer: compiling the piece here
+        # instead would take about as long. Never forever: a dead peer's piece is then
+        # compiled here (and torchrun stops a job whose process died).
+        waited, limit = 0.0, max(self.timeout_s, PEER_WAIT_S)
+        while True:
+            try:
+                store.wait([key], timedelta(seconds=min(self.timeout_s, limit - waited)))
+                return
+            except Exception:  # noqa: BLE001 - the store's timeout error type differs across versions
+                waited += min(self.timeout_s, limit - waited)
+            if waited >= limit:
+                log.warning(
+                    "rank %d: rank %d did not finish its share of the compiles within %.0f s; "
+                    "compiling that piece here",
+                    self.rank,
+                    peer,
+                    waited,
+                )
+                return
+            log.info(
+                "rank %d: waiting %.0f s so far for rank %d's share of the compiles", self.rank, waited, peer
+            )
+
     def compile_all(
         self, jobs: Sequence[CompileJob], *, compile_one: Callable[[CompileJob], object], graph: str
     ) -> list:
@@ -189,7 +219,7 @@ class CompileSharing:
         peers = self.find_peers()
         if len(peers) == 1:
             return [compile_one(job) for job in jobs]
-        store, wait = self._store(), timedelta(seconds=self.timeout_s)
+        store = self._store()
         # By position: every rank has the same jobs (the graphs agree); piece keys name
         # objects by their id, which differs between ranks.
         done = [f"{self.prefix}/{graph}/{len(jobs)}/{j}" for j in range(len(jobs))]
@@ -206,16 +236,7 @@ class CompileSharing:
                 finally:  # done or failed: the peers stop waiting either way
                     store.set(done[j], str(self.rank))
             for j in (j for j in range(len(jobs)) if j not in mine):
-                try:
-                    store.wait([done[j]], wait)
-                except Exception:  # noqa: BLE001 - the store's timeout error type differs across versions
-                    log.warning(
-                        "rank %d: rank %d did not compile its share within %.0f s (desync_timeout_s); "
-                        "compiling that piece here",
-                        self.rank,
-                        peers[owner[j]],
-                        self.timeout_s,
-                    )
+                self._wait_for(store, done[j], peers[owner[j]])
                 out[j] = compile_one(jobs[j])
         log.debug(
             "rank %d compiled %d of %d distinct piece(s); peers %s", self.rank, len(mine), len(jobs), peers

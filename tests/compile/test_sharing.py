@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as dist
 from torch import fx, nn
 
+from distcompile.compile import sharing as sharing_module
 from distcompile.compile.sharing import CompileJob, CompileSharing, assign
 from tests import workers
 from tests.harness import run_ranks
@@ -24,7 +25,7 @@ def test_largest_jobs_go_first_to_the_least_loaded_peer() -> None:
     assert sorted(assign([1, 1, 1, 1], 4)) == [0, 1, 2, 3]  # ties: one each, in order
 
 
-def test_a_rank_compiles_its_share_then_waits_for_its_peer_but_never_forever(caplog) -> None:  # noqa: ANN001
+def test_a_rank_compiles_its_share_then_waits_for_its_peer_but_never_forever(caplog, monkeypatch) -> None:  # noqa: ANN001
     big = fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2), nn.Tanh()))
     small = fx.symbolic_trace(nn.ReLU())
     jobs = [
@@ -35,14 +36,16 @@ def test_a_rank_compiles_its_share_then_waits_for_its_peer_but_never_forever(cap
     store = dist.HashStore()
     sharing = CompileSharing(lambda: store, "t", rank=0, ranks=(0, 1), timeout_s=0.2)
     sharing.peers = (0, 1)  # as cache_peers would find them; rank 1 never shows up
+    monkeypatch.setattr(sharing_module, "PEER_WAIT_S", 0.5)  # not 10 minutes
     order: list[int] = []
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         out = sharing.compile_all(
             jobs, compile_one=lambda job: order.append(jobs.index(job)) or job.key, graph="g"
         )
     # Its own share (the big job) and the unshareable one first; then the peer's, after the wait.
     assert order == [0, 2, 1] and out == ["big", "small", None]
-    assert "rank 1 did not compile its share within 0 s" in caplog.text
+    assert "waiting 0 s so far for rank 1's share" in caplog.text  # progress every timeout_s
+    assert "rank 1 did not finish its share of the compiles within 0 s" in caplog.text
     assert store.check(["t/g/3/0", "t/g/3/2"]) and not store.check(["t/g/3/1"])
 
 
