@@ -187,7 +187,7 @@ def _piece_compiler_class() -> type:
     return PieceCompiler
 
 
-def _compile_jobs(interpreter: fx.Interpreter, sharing: CompileSharing | None, graph: str) -> None:
+def _compile_jobs(interpreter: fx.Interpreter, sharing: CompileSharing, graph: str) -> None:
     """Compile the walk's jobs, put each compiled piece in its nodes' place, order the metadata.
 
     Alone, a job's backward is compiled at its first run, which reads the piece's
@@ -207,10 +207,7 @@ def _compile_jobs(interpreter: fx.Interpreter, sharing: CompileSharing | None, g
             entries.append((job.key, job.position, job.needs_backward))
         return compiled
 
-    if sharing is None:
-        compiled = [compile_one(job) for job in interpreter.jobs]
-    else:
-        compiled = sharing.compile_all(interpreter.jobs, compile_one=compile_one, graph=graph)
+    compiled = sharing.compile_all(interpreter.jobs, compile_one=compile_one, graph=graph)
     for n, job in interpreter.deferred:
         interpreter.module.delete_submodule(n.target)
         n.target = "compiled_" + n.target
@@ -225,9 +222,9 @@ def split_and_compile(
     captured: CapturedGraph,
     plan: Plan,
     compiler: CompilerFn,
+    sharing: CompileSharing,
+    graph: str,
     cacheable: bool = False,
-    sharing: CompileSharing | None = None,
-    graph: str = "",
 ) -> tuple[Callable, int]:
     """Compile ``gm`` as ``len(plan.pieces)`` separately compiled pieces.
 
@@ -236,7 +233,9 @@ def split_and_compile(
     ``cacheable`` says ``compiler`` is Inductor, whose pieces keep eager output strides
     unless they contain a convolution; those pieces are compiled so that AOTAutograd's
     cache can serve a warm restart, and a piece interchangeable with an earlier one (a
-    repeated block, Note [Repeated blocks]) reuses its compiled function.
+    repeated block, Note [Repeated blocks]) reuses its compiled function. ``sharing``
+    compiles those, split between the ranks that share a compile cache (``graph`` names
+    this compile in the store; Note [Sharing compiles between ranks]).
 
     Example:
         >>> # used by distcompile's TorchDynamo backend; see distcompile.wrap
