@@ -18,6 +18,7 @@ __all__ = [
     "compile_module",
     "compiled_autograd",
     "compiled_original",
+    "cpu_isa_checks",
     "dynamo_control_flow",
     "graph_break_parts",
     "inductor_cache_dir",
@@ -27,7 +28,7 @@ __all__ = [
     "inductor_modes",
     "is_compiled_module",
     "lookup_backend",
-    "probe_cpu_isas",
+    "run_cpu_isa_check",
     "set_optimize_ddp",
 ]
 
@@ -173,20 +174,22 @@ def inductor_cache_dir() -> str:
     return cache_dir()
 
 
-def probe_cpu_isas(*, start: int, of: int) -> int:
-    """Run Inductor's one-time checks of this CPU's vector instruction sets, from share ``start`` of ``of``.
+def cpu_isa_checks() -> list:
+    """Inductor's one-time checks of this CPU's vector instruction sets, in its order; [] once run.
 
     Before it generates its first C++ kernel, Inductor builds and loads a small library
-    for each instruction set the CPU reports (AVX2, AVX-512, ...), under a file lock in
-    its cache folder: seconds each on an empty cache, and every rank of a machine waits
-    for them in turn. Ranks that start at different shares build different ones side by
-    side and then find the others built. Returns how many were checked now (0 when
-    already done in this process, or not an x86 CPU). Checked: 2.13, 2.15
-    (``torch._inductor.cpu_vec_isa``: ``supported_vec_isa_list``, ``x86_isa_checker``;
-    ``bool(isa)`` runs the check once and remembers it).
+    for each instruction set the CPU reports (AMX, AVX-512 VNNI, AVX-512, AVX2), each
+    more extended one after the checks of the sets it extends: about 1.7 s of compiler
+    for the first library of each, 0.35 s for each further one, under a file lock in its
+    cache folder, so that the ranks of a machine would wait for them in turn. Each item
+    is run with :func:`run_cpu_isa_check`, which builds what no other process has built
+    and loads the rest. Empty when already run in this process, on CPUs other than x86,
+    or when ``config.cpp.vec_isa_ok`` skips the checks. Checked: 2.13, 2.15
+    (``torch._inductor.cpu_vec_isa``: ``supported_vec_isa_list``, ``x86_isa_checker``,
+    ``valid_vec_isa_list``; ``bool(isa)`` runs the checks once and remembers them).
 
     Example:
-        >>> probe_cpu_isas(start=0, of=1) >= 0
+        >>> len(cpu_isa_checks()) <= 6
         True
     """
     import platform
@@ -195,15 +198,20 @@ def probe_cpu_isas(*, start: int, of: int) -> int:
     from torch._inductor import cpu_vec_isa as vec
 
     if platform.machine() not in ("x86_64", "AMD64") or config.cpp.vec_isa_ok is not None:
-        return 0
+        return []
     if vec.valid_vec_isa_list.cache_info().currsize:  # checked already
-        return 0
+        return []
     flags = vec.x86_isa_checker()
-    isas = [isa for isa in vec.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
-    first = start * len(isas) // max(of, 1)
-    for isa in isas[first:] + isas[:first]:
-        bool(isa)
-    return len(isas)
+    return [isa for isa in vec.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
+
+
+def run_cpu_isa_check(isa: object) -> bool:
+    """Run the checks of one item of :func:`cpu_isa_checks`; whether the set works. Checked: 2.13, 2.15.
+
+    Example:
+        >>> # for isa in cpu_isa_checks(): run_cpu_isa_check(isa)
+    """
+    return bool(isa)
 
 
 def compile_cache_hits() -> int:

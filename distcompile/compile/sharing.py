@@ -47,7 +47,7 @@ from torch import fx
 
 from .. import _torch_compat as compat
 
-__all__ = ["CompileJob", "CompileSharing", "assign", "cache_peers"]
+__all__ = ["CompileJob", "CompileSharing", "assign", "cache_peers", "cpu_check_order"]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,22 @@ def assign(costs: Sequence[int], peers: int) -> list[int]:
         owner[j] = p
         load[p] += costs[j]
     return owner
+
+
+def cpu_check_order(checks: int, npeers: int, me: int) -> list[int]:
+    """The order in which peer ``me`` runs Inductor's ``checks`` one-time CPU checks: its share first.
+
+    The peers split them as they split the compiles, the most extended instruction set
+    (Inductor lists it first, and it runs the checks of the sets it extends too) counting
+    most; after its share a peer runs the others' (built by then, or waits on the lock of
+    the peer building one), so that every process has them all.
+
+    Example:
+        >>> cpu_check_order(4, 2, 0), cpu_check_order(4, 2, 1)
+        ([0, 3, 1, 2], [1, 2, 0, 3])
+    """
+    owner = assign(list(range(checks, 0, -1)), npeers)
+    return sorted(range(checks), key=lambda i: owner[i] != me)
 
 
 def cache_peers(
@@ -228,7 +244,9 @@ class CompileSharing:
         out: list = [None] * len(jobs)
         if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for job in jobs for a in job.args):
             # Inductor's one-time CPU checks come before its first C++ kernel: split them too.
-            compat.probe_cpu_isas(start=peers.index(self.rank), of=len(peers))
+            checks = compat.cpu_isa_checks()
+            for i in cpu_check_order(len(checks), len(peers), peers.index(self.rank)):
+                compat.run_cpu_isa_check(checks[i])
         with compat.eager_backward():
             for j in mine:
                 try:

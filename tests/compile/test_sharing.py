@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from distcompile.compile import sharing as sharing_module
-from distcompile.compile.sharing import CompileJob, CompileSharing, assign
+from distcompile.compile.sharing import CompileJob, CompileSharing, assign, cpu_check_order
 from tests import workers
 from tests.harness import run_ranks
 from tests.runtime.test_parity import TOL, _check
@@ -23,6 +23,18 @@ def test_largest_jobs_go_first_to_the_least_loaded_peer() -> None:
     assert assign([7, 7, 7], 1) == [0, 0, 0]
     assert assign([], 3) == []
     assert sorted(assign([1, 1, 1, 1], 4)) == [0, 1, 2, 3]  # ties: one each, in order
+
+
+def test_peers_split_the_cpu_checks_then_run_the_others() -> None:
+    # Inductor lists the most extended instruction set first; it runs the most checks.
+    for checks, npeers in ((4, 2), (4, 3), (2, 4), (0, 2)):
+        orders = [cpu_check_order(checks, npeers, me) for me in range(npeers)]
+        assert all(sorted(o) == list(range(checks)) for o in orders)  # every process runs all
+        owner = assign(list(range(checks, 0, -1)), npeers)
+        firsts = [o[: owner.count(me)] for me, o in enumerate(orders)]
+        assert sorted(i for f in firsts for i in f) == list(range(checks))  # each share once
+    loads = [sum(4 - i for i in cpu_check_order(4, 2, me)[:2]) for me in (0, 1)]
+    assert loads == [5, 5]  # AMX (4) + AVX2 (1) against VNNI (3) + AVX-512 (2)
 
 
 def test_a_rank_compiles_its_share_then_waits_for_its_peer_but_never_forever(caplog, monkeypatch) -> None:  # noqa: ANN001
