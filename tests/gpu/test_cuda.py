@@ -244,3 +244,29 @@ def test_gpu_benchmark_small_end_to_end(tmp_path) -> None:
         assert r["median_ms"] > 0 and r["wall_ms"] > 0 and r["peak_gpu_mb"] > 0, (name, r)
         assert r["host_syncs_per_step"] >= 0, (name, r)
     assert "vs DDPOpt+CG" in proc.stdout
+
+
+@pytest.mark.timeout(1800)
+def test_gpu_benchmark_with_gloo_ranks_sharing_each_gpu(tmp_path) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "benchmarks" / "overlap.py"), "--device", "cuda", "--small"]
+    cmd += [
+        "--ranks-per-gpu",
+        "2",
+        "--variants",
+        "compile_noddp,ddp,regional,dc_inductor",
+        "--no-first-steps",
+    ]
+    cmd += ["--rounds", "1", "--block", "3", "--warmup", "2", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1700, env=child_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (js,) = tmp_path.glob("*-overlap-cuda-2-per-gpu-small.json")
+    res = json.loads(js.read_text())
+    assert res["meta"]["world_size"] == 2 * torch.cuda.device_count() and res["meta"]["ranks_per_gpu"] == 2
+    assert all("error" not in r and r["median_ms"] > 0 for r in res["variants"].values()), res["variants"]
+    assert res["variants"]["dc_inductor"]["exposed_ms"] >= 0 and "exposed_ms" in res["variants"]["ddp"]
+    assert "all-reducing through host memory" in proc.stdout

@@ -73,6 +73,10 @@ def test_cuda_mode_without_a_gpu_is_refused_with_the_fix(tmp_path: Path) -> None
     )
     proc = _bench(tmp_path, "--small", "--variants", "ddp,dc_cudagraphs", timeout=120)
     assert proc.returncode == 2 and "need CUDA graphs" in proc.stderr and "--device cuda" in proc.stderr
+    proc = _bench(tmp_path, "--small", "--ranks-per-gpu", "2", timeout=120)
+    assert proc.returncode == 2 and "--ranks-per-gpu places ranks on GPUs" in proc.stderr
+    proc = _bench(tmp_path, "--device", "cuda", "--small", "--ranks-per-gpu", "2", timeout=120)
+    assert proc.returncode == 2 and "no CUDA GPU found" in proc.stderr
     assert not list(tmp_path.glob("*.json"))
 
 

@@ -71,3 +71,14 @@ def test_gpu_report_names_the_gpu_and_versions() -> None:
     md = report_markdown(_gpu_results())
     assert md.startswith("# Overlap benchmark, cuda, 2026-11-23")
     assert "NCCL 2.28.9" in md and "Triton 3.6.0" in md and "driver 580.00" in md and "H100" in md
+
+
+def test_gpu_report_of_ranks_sharing_a_gpu_says_gloo_through_host_memory() -> None:
+    res = _gpu_results()
+    res["meta"].update(world_size=2, ranks_per_gpu=2, link="cuda-2-per-gpu")
+    md = report_markdown(res)
+    assert md.startswith("# Overlap benchmark, cuda-2-per-gpu, 2026-11-23")
+    assert (
+        "2 gloo ranks, 2 on each GPU (NVIDIA H100 80GB HBM3, 79 GiB), all-reducing through host memory" in md
+    )
+    assert "NCCL rank" not in md and "one per GPU" not in table(res)

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from .netns import can_make_namespaces, veth_pair
 from .report import report_markdown, table, write_results
 from .scaling import SCALING_DEFAULT, run_scaling
-from .variants import CPU_DEFAULT, CUDA_DEFAULT, CUDA_ONLY, VARIANTS
+from .variants import CPU_DEFAULT, CUDA_DEFAULT, CUDA_ONLY, SHARED_GPU_DEFAULT, VARIANTS
 
 __all__ = ["main"]
 
@@ -42,6 +42,8 @@ def _check_device(p: argparse.ArgumentParser, args: argparse.Namespace, names: l
         cuda_only = [n for n in names if n in CUDA_ONLY]
         if cuda_only:
             p.error(f"variant(s) {cuda_only} need CUDA graphs, hence a GPU; add --device cuda or drop them")
+        if args.ranks_per_gpu != 1:
+            p.error("--ranks-per-gpu places ranks on GPUs; add --device cuda, or drop it for two CPU ranks")
         return
     import torch  # the parent imports torch only to count GPUs
 
@@ -56,7 +58,9 @@ def _check_device(p: argparse.ArgumentParser, args: argparse.Namespace, names: l
             f"--link {args.link} shapes the link between two CPU ranks (gloo); with --device cuda the "
             "ranks use NCCL between this machine's GPUs. Drop --link or --device cuda."
         )
-    args.world = gpus
+    if args.ranks_per_gpu < 1:
+        p.error(f"--ranks-per-gpu {args.ranks_per_gpu}: give 1 (NCCL, one rank per GPU) or more (gloo)")
+    args.world = gpus * args.ranks_per_gpu
 
 
 @contextlib.contextmanager
@@ -151,6 +155,23 @@ def _first_steps(
         r["plan"]["warm_cache_hits"] = runs["warm"]["plan"]["cache_hits"]
 
 
+def _link(args: argparse.Namespace, net: object) -> tuple[str, str]:
+    """The link's name (in the result's file name) and what it is, for the report."""
+    if args.device == "cuda" and args.ranks_per_gpu > 1:
+        return (
+            f"cuda-{args.ranks_per_gpu}-per-gpu",
+            f"gloo between {args.world} ranks, {args.ranks_per_gpu} on each GPU: all-reduces through host memory",
+        )
+    if args.device == "cuda":
+        return "cuda", f"NCCL between {args.world} GPU(s) of this machine"
+    if net:
+        return (
+            args.link,
+            f"veth pair between two network namespaces, both ends shaped with tc tbf rate {args.link}",
+        )
+    return "loopback", "loopback (127.0.0.1), unshaped"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="distcompile bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -163,12 +184,19 @@ def _parser() -> argparse.ArgumentParser:
         help="cpu: two gloo ranks (on --link); cuda: one NCCL rank per GPU present",
     )
     p.add_argument(
+        "--ranks-per-gpu",
+        type=int,
+        default=1,
+        help="cuda: ranks sharing each GPU; above 1 they use gloo, whose all-reduces go through host "
+        "memory (a slow link next to a fast GPU: overlap with real GPU compute, on one GPU)",
+    )
+    p.add_argument(
         "--variants",
         default=None,
         help="comma-separated subset of: "
         + ", ".join(VARIANTS)
         + f". Default on cpu: {','.join(CPU_DEFAULT)}; "
-        f"on cuda: {','.join(CUDA_DEFAULT)}",
+        f"on cuda: {','.join(CUDA_DEFAULT)}; with --ranks-per-gpu above 1: {','.join(SHARED_GPU_DEFAULT)}",
     )
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--block", type=int, default=5, help="steps per variant per round")
@@ -211,6 +239,8 @@ def _variant_names(p: argparse.ArgumentParser, args: argparse.Namespace) -> list
         default = (
             SCALING_DEFAULT
             if args.compile_scaling
+            else SHARED_GPU_DEFAULT
+            if args.device == "cuda" and args.ranks_per_gpu > 1
             else CUDA_DEFAULT
             if args.device == "cuda"
             else CPU_DEFAULT
@@ -249,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         args.device,
         "--world",
         str(args.world),
+        "--ranks-per-gpu",
+        str(args.ranks_per_gpu),
         "--rounds",
         str(args.rounds),
         "--block",
@@ -259,12 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dc_bench_") as tmp, _shaped_link(args.link) as net:
         cache = os.path.join(tmp, "inductor_cache")
         out = os.path.join(tmp, "result.json")
-        where = (
-            f"{args.world} GPU(s), NCCL"
-            if args.device == "cuda"
-            else f"a {args.link if net else 'loopback'} link"
-        )
-        print(f"[bench] {len(names)} variants on {where}; cold compile cache {cache}", flush=True)
+        link, detail = _link(args, net)
+        print(f"[bench] {len(names)} variants, {detail}; cold compile cache {cache}", flush=True)
         _launch(args, common, net, cache, out)
         with open(out) as f:
             res = json.load(f)
@@ -275,16 +303,9 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             _first_steps(args, name, common, net, os.path.join(tmp, f"cache-{name}"), res["variants"])
-    link = "cuda" if args.device == "cuda" else args.link if net else "loopback"
     res["meta"].update(
         link=link,
-        link_detail=(
-            f"veth pair between two network namespaces, both ends shaped with tc tbf rate {link}"
-            if net
-            else f"NCCL between {args.world} GPU(s) of this machine"
-            if args.device == "cuda"
-            else "loopback (127.0.0.1), unshaped"
-        ),
+        link_detail=detail,
         command=" ".join(["python benchmarks/overlap.py", *(argv if argv is not None else sys.argv[1:])]),
     )
     text = table(res)

@@ -98,10 +98,19 @@ def gpu_table(res: dict) -> str:
         _render(rows)
         + [
             "",
-            f"{m['world_size']} rank(s), one per GPU ({m['gpu']}); median/min/max: CUDA-event time of a step "
+            f"{_gpu_ranks(m)}; median/min/max: CUDA-event time of a step "
             "(the slower rank's); wall ms: host time per step over a block, one wait per block.",
         ]
     )
+
+
+def _gpu_ranks(m: dict) -> str:
+    per = m.get("ranks_per_gpu", 1)
+    if per > 1:
+        return (
+            f"{m['world_size']} gloo ranks, {per} on each GPU ({m['gpu']}), all-reducing through host memory"
+        )
+    return f"{m['world_size']} NCCL rank(s), one per GPU ({m['gpu']})"
 
 
 def table(res: dict) -> str:
@@ -184,7 +193,7 @@ def report_markdown(res: dict) -> str:
     if gpu:
         versions += f", CUDA {m['cuda']}, NCCL {m['nccl']}, Triton {m['triton']}, driver {m['driver']}"
     ranks = (
-        f"{m['world_size']} NCCL rank(s), one per GPU ({m['gpu']}); bf16 autocast, fused AdamW"
+        f"{_gpu_ranks(m)}; bf16 autocast, fused AdamW"
         if gpu
         else f"{m['world_size']} gloo ranks, 1 thread each"
     )

@@ -31,6 +31,7 @@ def _one(args: argparse.Namespace, launch: Callable, name: str, depth: int, tmp:
         out = os.path.join(tmp, f"{phase}-{name}-{depth}.json")
         extra = [
             *("--variants", name, "--device", args.device, "--world", str(args.world)),
+            *("--ranks-per-gpu", str(args.ranks_per_gpu)),
             *("--warmup", "0", "--first-step-only", "--layers", str(depth)),
             *(["--recompile"] if phase == "cold" else []),
             *(["--small"] if args.small else []),

@@ -18,7 +18,7 @@ from distcompile.models import GPT
 
 from .workload import Workload
 
-__all__ = ["CPU_DEFAULT", "CUDA_DEFAULT", "CUDA_ONLY", "VARIANTS", "Variant", "build"]
+__all__ = ["CPU_DEFAULT", "CUDA_DEFAULT", "CUDA_ONLY", "SHARED_GPU_DEFAULT", "VARIANTS", "Variant", "build"]
 
 #: Variant name -> short description, in the order they run within a round.
 VARIANTS = {
@@ -57,6 +57,9 @@ CUDA_DEFAULT = (
     "dc_cudagraphs",
     "dc_auto",
 )
+#: With several gloo ranks sharing each GPU (--ranks-per-gpu): what a user would run instead
+#: on such a slow link, beside the compute floor.
+SHARED_GPU_DEFAULT = ("compile_noddp", "ddp", "compile_ddpopt", "regional", "dc_inductor", "dc_auto")
 
 
 @dataclass

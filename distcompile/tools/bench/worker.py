@@ -35,11 +35,11 @@ def run_worker(args: argparse.Namespace, names: list[str]) -> None:
     """
     cuda = args.device == "cuda"
     if cuda:
-        torch.cuda.set_device(args.rank)  # one rank per GPU
+        torch.cuda.set_device(args.rank // args.ranks_per_gpu)  # NCCL: one rank per GPU
     else:
         torch.set_num_threads(1)
     dist.init_process_group(
-        "nccl" if cuda else "gloo",
+        "nccl" if cuda and args.ranks_per_gpu == 1 else "gloo",
         init_method=f"tcp://{args.master}:{args.port}",
         rank=args.rank,
         world_size=args.world,
@@ -172,6 +172,7 @@ def _meta(w: Workload) -> dict:
         "python": platform.python_version(),
         "distcompile": distcompile.__version__,
         "world_size": w.world,
+        "ranks_per_gpu": a.ranks_per_gpu if w.cuda else 0,
         "rounds": a.rounds,
         "block": a.block,
         "warmup": a.warmup,
