@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -54,7 +55,9 @@ def test_opt_in_variants_run_on_cpu(tmp_path: Path) -> None:
     # The compiled model without DDP and FSDP2 on a replicate mesh run on gloo too.
     names = "ddp,compile_noddp,fsdp_replicate"
     proc = _bench(
-        tmp_path, "--small", "--variants", names, "--no-first-steps", "--rounds", "1", "--block", "2"
+        tmp_path,
+        *("--small", "--variants", names, "--no-first-steps", "--rounds", "1", "--block", "2"),
+        *("--trace-dir", "traces"),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (js,) = tmp_path.glob("*-overlap-loopback-small.json")
@@ -63,6 +66,11 @@ def test_opt_in_variants_run_on_cpu(tmp_path: Path) -> None:
     for name, r in res["variants"].items():
         assert "error" not in r and r["steps"] == 2 and r["median_ms"] > 0, (name, r)
     assert res["meta"]["device"] == "cpu"
+    for name in names.split(","):  # 3 warm steps each, a trace Perfetto reads
+        with gzip.open(tmp_path / "traces" / f"trace-{name}.json.gz", "rt") as f:
+            events = json.load(f)["traceEvents"]
+        assert sum(1 for e in events if e.get("name") == "aten::addmm") >= 3, name
+        assert "host_syncs_per_step" not in res["variants"][name]  # counted on GPUs only
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

@@ -1,7 +1,8 @@
-"""What the benchmark measures only on GPUs: host synchronizations per step, and the GPU's versions."""
+"""Warm steps under the profiler (host synchronizations on GPUs, traces), and the GPU's versions."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import torch
@@ -10,7 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 from .variants import Variant
 from .workload import Workload
 
-__all__ = ["SYNC_CALLS", "count_host_syncs", "gpu_meta"]
+__all__ = ["SYNC_CALLS", "gpu_meta", "profile_steps"]
 
 #: CUDA runtime calls that make the host wait for the GPU.
 SYNC_CALLS = frozenset(
@@ -18,26 +19,35 @@ SYNC_CALLS = frozenset(
 )
 
 
-def count_host_syncs(w: Workload, variants: list[Variant], results: dict[str, dict], steps: int = 3) -> None:
-    """Record ``host_syncs_per_step`` of each variant: synchronizing CUDA calls in warm steps.
+def profile_steps(
+    w: Workload, variants: list[Variant], results: dict[str, dict], *, trace_dir: str = "", steps: int = 3
+) -> None:
+    """Profile ``steps`` warm steps of each variant after the timed rounds.
 
-    Counted from the CUDA runtime calls the profiler sees (not only the ones
-    ``torch.cuda.set_sync_debug_mode`` knows), over ``steps`` steps after the timed rounds.
+    On GPUs it records ``host_syncs_per_step``: synchronizing CUDA runtime calls the
+    profiler sees (not only the ones ``torch.cuda.set_sync_debug_mode`` knows). With
+    ``trace_dir``, rank 0 also writes each variant's trace there as
+    ``trace-<variant>.json.gz`` (open it in Perfetto or chrome://tracing).
 
     Example:
-        >>> # count_host_syncs(workload, variants, results)  # results["ddp"]["host_syncs_per_step"]
+        >>> # profile_steps(workload, variants, results, trace_dir="traces")  # results["ddp"]["host_syncs_per_step"]
     """
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if w.cuda else [])]
     with torch.compiler.set_stance("fail_on_recompile"):
         for v in variants:
             w.sync()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with profile(activities=activities) as prof:
                 for _ in range(steps):
                     v.step(w)
-            w.sync()
+            w.sync()  # outside: the profiler would count this wait as the variant's
             v.events.clear()
-            calls = sum(1 for e in prof.events() if e.name in SYNC_CALLS)
-            results[v.name]["host_syncs_per_step"] = calls / steps
-            w.say(f"{v.name}: {calls / steps:g} host synchronizations per step")
+            if trace_dir and w.rank == 0:
+                os.makedirs(trace_dir, exist_ok=True)
+                prof.export_chrome_trace(os.path.join(trace_dir, f"trace-{v.name}.json.gz"))
+            if w.cuda:
+                calls = sum(1 for e in prof.events() if e.name in SYNC_CALLS)
+                results[v.name]["host_syncs_per_step"] = calls / steps
+                w.say(f"{v.name}: {calls / steps:g} host synchronizations per step")
 
 
 def gpu_meta() -> dict:

@@ -221,6 +221,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--depths", default="2,8,16,32", help="layer counts of the compile-scaling mode")
     p.add_argument("--out-dir", default="benchmarks/results")
+    p.add_argument(
+        "--trace-dir",
+        default="",
+        help="also write a profiler trace of 3 warm steps of each variant (rank 0) here, as "
+        "trace-<variant>.json.gz, for Perfetto",
+    )
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -288,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         "--warmup",
         str(args.warmup),
     ] + (["--small"] if args.small else [])
+    if args.trace_dir:
+        common += ["--trace-dir", os.path.abspath(args.trace_dir)]
     with tempfile.TemporaryDirectory(prefix="dc_bench_") as tmp, _shaped_link(args.link) as net:
         cache = os.path.join(tmp, "inductor_cache")
         out = os.path.join(tmp, "result.json")

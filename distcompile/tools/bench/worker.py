@@ -16,7 +16,7 @@ import torch.distributed as dist
 import distcompile
 
 from .floor import measure_floor
-from .gpu import count_host_syncs, gpu_meta
+from .gpu import gpu_meta, profile_steps
 from .variants import VARIANTS, Variant, build
 from .workload import Workload
 
@@ -52,8 +52,8 @@ def run_worker(args: argparse.Namespace, names: list[str]) -> None:
     variants = _build_all(w, names, results)
     if not args.first_step_only:
         _run_rounds(w, variants, results)
-        if cuda:
-            count_host_syncs(w, variants, results)
+        if cuda or args.trace_dir:
+            profile_steps(w, variants, results, trace_dir=args.trace_dir)
         _summarize(w, variants, results, compute_step)
     if w.rank == 0:
         with open(args.out, "w") as f:
