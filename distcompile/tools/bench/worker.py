@@ -35,7 +35,7 @@ def run_worker(args: argparse.Namespace, names: list[str]) -> None:
     """
     cuda = args.device == "cuda"
     if cuda:
-        torch.cuda.set_device(args.rank // args.ranks_per_gpu)  # NCCL: one rank per GPU
+        torch.cuda.set_device(args.rank // args.ranks_per_gpu)  # NCCL: one rank per GPU; gloo: several
     else:
         torch.set_num_threads(1)
     dist.init_process_group(
