@@ -470,3 +470,26 @@ def shared_compile(rank: int, world: int, cache_dir: str) -> dict:
     result["aot_compiled"] = after[0] - before[0] - result["aot_hits"]
     result["peers"] = len(os.listdir(os.path.join(cache_dir, "distcompile-peers")))
     return result
+
+
+def uncompiled_report(rank: int, world: int) -> dict:
+    """After the first step: parameters trained by code no graph contains are reported once, by rank 0."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("distcompile.runtime.reducer")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    out = {}
+    for name in ("compiler_disable", "mlp_seq"):
+        torch.manual_seed(0)
+        model = distcompile.wrap(DDP(BUILDERS[name]()), backend="eager")
+        for step in range(2):
+            x, y = batch(name, rank, step)
+            loss_fn(name, model(x), y).backward()
+        out[name] = [(r.levelname, r.getMessage()) for r in records]
+        records.clear()
+    logger.removeHandler(handler)
+    return out

@@ -310,8 +310,40 @@ class BucketReducer:
         )
         if self.observer is not None:
             stats = replace(stats, **self.observer.end_step(stats))
+        if self.steps == 0:
+            self._report_uncompiled(step)
         self.last_step = stats
         self.steps += 1
+
+    def _report_uncompiled(self, step: _Step) -> None:
+        # Once, after the first step, on the group's first rank: parameters whose gradient
+        # came from code no graph of the step contains (a frame TorchDynamo skipped, eager
+        # code between graphs) train uncompiled and wait for the trailing bucket.
+        claimed = {p for g in step.graphs for b in self._graph_buckets.get(g, ()) for p in b}
+        eager = [
+            (n, p)
+            for b in step.order or ()
+            for n, p, ready in zip(b.names, b.params, b.ready)
+            if ready and n not in claimed
+        ]
+        if not eager or dist.get_rank(self.group) != 0:
+            return
+        nbytes = sum(p.numel() * p.element_size() for _, p in eager)
+        share = nbytes / max(sum(p.numel() * p.element_size() for p in self.params.values()), 1)
+        log.log(
+            logging.WARNING if share >= 0.1 else logging.INFO,
+            "%d of %d trainable parameters (%.2f MB, %.0f%% of the bytes; %s%s) got their gradients from "
+            "code that no captured graph contains (a frame TorchDynamo skipped, or eager code between "
+            "graphs): that code runs uncompiled, and its gradients are all-reduced in one bucket when "
+            "backward ends, without overlap. TORCH_LOGS=graph_breaks or distcompile.explain(model, "
+            "*inputs) shows why.",
+            len(eager),
+            len(self.params),
+            nbytes / 1e6,
+            100 * share,
+            ", ".join(n for n, _ in eager[:3]),
+            ", ..." if len(eager) > 3 else "",
+        )
 
     def abandon_step(self) -> None:
         """Forget an open step whose backward never ran (e.g. forward under grad, no backward)."""

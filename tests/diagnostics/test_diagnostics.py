@@ -95,3 +95,12 @@ def test_progress_lines_on_the_first_rank_warnings_prefixed() -> None:
     assert "no gradients (inference graph)" in inference and "bucket" not in inference, inference
     assert "graph 2 compiled" in out0 and "backward compiles" not in out0.split("graph 2 compiled")[1], out0
     assert "[distcompile rank 1]" not in out1, out1  # progress and the shared warning: rank 0 only
+
+
+def test_parameters_trained_outside_every_graph_are_reported_once() -> None:
+    rank0, rank1 = run_ranks(workers.uncompiled_report, 2)
+    ((level, message),) = rank0["compiler_disable"]  # once: after the first step, not the second
+    assert level == "WARNING" and message.startswith("2 of 6 trainable parameters"), message
+    assert "eager.lin.weight" in message and "47% of the bytes" in message, message
+    assert "TORCH_LOGS=graph_breaks" in message, message
+    assert rank0["mlp_seq"] == [] and rank1 == {"compiler_disable": [], "mlp_seq": []}, (rank0, rank1)
