@@ -369,11 +369,11 @@ class GraphCompiler:
         )
         return compiled, segment_s, reused
 
-    def _backward_note(self) -> str:
+    def _backward_note(self, plan: Plan) -> str:
         if self.target.config.backend == "eager" or not torch.is_grad_enabled():
             return ""
-        peers = self._sharing.peers or ()
-        if len(peers) > 1:  # Note [Sharing compiles between ranks]
+        peers = self._sharing.peers or ()  # one piece: compiled whole by each rank, unshared
+        if len(peers) > 1 and len(plan.pieces or plan.segments) > 1:  # Note [Sharing compiles between ranks]
             return f"; compiles split between ranks {list(peers)} (backward included)"
         return "; its backward compiles during the first backward"
 
@@ -391,7 +391,7 @@ class GraphCompiler:
             record.compile_s,
             record.pieces_reused,
             record.cache_hits,
-            self._backward_note(),
+            self._backward_note(record.plan),
         )
         reasons = record.recompile_reasons
         if reasons:
