@@ -330,7 +330,7 @@ class GraphCompiler:
         reasons: tuple[str, ...],
     ) -> tuple[Callable, list[float], int]:
         cfg = self.target.config
-        pieces = len(plan.pieces or plan.segments)
+        pieces = len(plan.compiled_pieces)
         if torch.is_grad_enabled():
             layout = f"{len(plan.segments)} segment(s), {len(plan.buckets)} bucket(s) ({planned_by})"
         else:  # its segments keep the training graph's cuts, but no bucket ever runs
@@ -373,7 +373,7 @@ class GraphCompiler:
         if self.target.config.backend == "eager" or not torch.is_grad_enabled():
             return ""
         peers = self._sharing.peers or ()  # one piece: compiled whole by each rank, unshared
-        if len(peers) > 1 and len(plan.pieces or plan.segments) > 1:  # Note [Sharing compiles between ranks]
+        if len(peers) > 1 and len(plan.compiled_pieces) > 1:  # Note [Sharing compiles between ranks]
             return f"; compiles split between ranks {list(peers)} (backward included)"
         return "; its backward compiles during the first backward"
 

@@ -240,7 +240,7 @@ def split_and_compile(
     Example:
         >>> # used by distcompile's TorchDynamo backend; see distcompile.wrap
     """
-    pieces = plan.pieces or plan.segments
+    pieces = plan.compiled_pieces
     if len(pieces) == 1:
         return compiler(gm, list(example_inputs)), 0
     piece_of = {}

@@ -206,11 +206,12 @@ class CompileSharing:
         # compiled here (and torchrun stops a job whose process died).
         waited, limit = 0.0, max(self.timeout_s, PEER_WAIT_S)
         while True:
+            step = min(self.timeout_s, limit - waited)
             try:
-                store.wait([key], timedelta(seconds=min(self.timeout_s, limit - waited)))
+                store.wait([key], timedelta(seconds=step))
                 return
             except Exception:  # noqa: BLE001 - the store's timeout error type differs across versions
-                waited += min(self.timeout_s, limit - waited)
+                waited += step
             if waited >= limit:
                 log.warning(
                     "rank %d: rank %d did not finish its share of the compiles within %.0f s; "

@@ -141,6 +141,16 @@ class Plan:
     unused: tuple[str, ...]
     pieces: tuple[tuple[int, int], ...] = ()
 
+    @property
+    def compiled_pieces(self) -> tuple[tuple[int, int], ...]:
+        """The node ranges compiled separately: ``pieces``, or the segments when it is empty.
+
+        Example:
+            >>> plan_graph([NodeInfo("a", ("w",), 1)], {"w": 4}).compiled_pieces
+            ((0, 1),)
+        """
+        return self.pieces or self.segments
+
     def segment_of(self, node_index: int) -> int:
         """Return the segment that holds node ``node_index``.
 

@@ -179,9 +179,9 @@ class BucketReducer:
 
     def claimed(self) -> set[str]:
         """Parameters bucketed by graphs that already ran in the open step."""
-        step = self._step
-        if step is None:
-            return set()
+        return set() if self._step is None else self._claimed_by(self._step)
+
+    def _claimed_by(self, step: _Step) -> set[str]:
         return {p for g in step.graphs for b in self._graph_buckets.get(g, ()) for p in b}
 
     @property
@@ -319,7 +319,7 @@ class BucketReducer:
         # Once, after the first step, on the group's first rank: parameters whose gradient
         # came from code no graph of the step contains (a frame TorchDynamo skipped, eager
         # code between graphs) train uncompiled and wait for the trailing bucket.
-        claimed = {p for g in step.graphs for b in self._graph_buckets.get(g, ()) for p in b}
+        claimed = self._claimed_by(step)
         eager = [
             (n, p)
             for b in step.order or ()
