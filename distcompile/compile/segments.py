@@ -20,7 +20,7 @@ from .. import _torch_compat as compat
 from ..capture.graph import CapturedGraph
 from ..planning.plan import Plan
 from .reuse import backward_order, piece_key
-from .sharing import CompileJob, CompileSharing
+from .sharing import CompileJob, CompileSharing, run_cpu_checks, runs_on_cpu
 
 __all__ = ["inner_compiler", "split_and_compile"]
 
@@ -242,6 +242,8 @@ def split_and_compile(
     """
     pieces = plan.compiled_pieces
     if len(pieces) == 1:
+        if cacheable and runs_on_cpu(example_inputs):
+            run_cpu_checks()  # compiled whole on every rank: each runs its checks in Inductor's order
         return compiler(gm, list(example_inputs)), 0
     piece_of = {}
     for k, (start, stop) in enumerate(pieces):

@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -47,7 +47,15 @@ from torch import fx
 
 from .. import _torch_compat as compat
 
-__all__ = ["CompileJob", "CompileSharing", "assign", "cache_peers", "cpu_check_order"]
+__all__ = [
+    "CompileJob",
+    "CompileSharing",
+    "assign",
+    "cache_peers",
+    "cpu_check_order",
+    "run_cpu_checks",
+    "runs_on_cpu",
+]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +120,31 @@ def cpu_check_order(checks: int, npeers: int, me: int) -> list[int]:
     """
     owner = assign(list(range(checks, 0, -1)), npeers)
     return sorted(range(checks), key=lambda i: owner[i] != me)
+
+
+def runs_on_cpu(args: Iterable[object]) -> bool:
+    """Whether a compile with these inputs makes C++ kernels: CPU tensors and no others.
+
+    Example:
+        >>> runs_on_cpu([torch.zeros(1), 2]), runs_on_cpu([3])
+        (True, False)
+    """
+    devices = {a.device.type for a in args if isinstance(a, torch.Tensor)}
+    return devices == {"cpu"}
+
+
+def run_cpu_checks(npeers: int = 1, me: int = 0) -> None:
+    """Inductor's one-time CPU checks, peer ``me``'s share first (``cpu_check_order``).
+
+    Run by distcompile rather than inside Inductor's first compile so that peers split
+    them and a warm start loads none of their libraries again (``compat.run_cpu_isa_check``).
+
+    Example:
+        >>> run_cpu_checks()  # alone, in Inductor's order; nothing once run in this process
+    """
+    checks = compat.cpu_isa_checks()
+    for i in cpu_check_order(len(checks), npeers, me):
+        compat.run_cpu_isa_check(checks[i])
 
 
 def cache_peers(
@@ -243,11 +276,9 @@ class CompileSharing:
         owner = assign([job.cost if job.shareable else 0 for job in jobs], len(peers))
         mine = [j for j, job in enumerate(jobs) if peers[owner[j]] == self.rank or not job.shareable]
         out: list = [None] * len(jobs)
-        if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for job in jobs for a in job.args):
+        if runs_on_cpu(a for job in jobs for a in job.args):
             # Inductor's one-time CPU checks come before its first C++ kernel: split them too.
-            checks = compat.cpu_isa_checks()
-            for i in cpu_check_order(len(checks), len(peers), peers.index(self.rank)):
-                compat.run_cpu_isa_check(checks[i])
+            run_cpu_checks(len(peers), peers.index(self.rank))
         with compat.eager_backward():
             for j in mine:
                 try:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
+import platform
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -91,3 +95,39 @@ def test_ranks_compile_their_share_and_load_the_rest() -> None:
     assert jobs >= 2 and sum(compiled) == jobs and min(compiled) >= 1, (jobs, compiled)
     assert [r["aot_hits"] for r in results] == [jobs - c for c in compiled]
     assert results[0]["peers"] == 0
+
+
+_CHECKS = """
+import sys
+import torch
+from distcompile import _torch_compat as compat
+from distcompile.compile.sharing import run_cpu_checks
+if sys.argv[1] == "no-loads":  # a library load now fails the test: it must not happen
+    from torch._inductor.cpu_vec_isa import VecISA
+
+    def refuse(self, path):
+        raise AssertionError("loaded " + path)
+
+    VecISA._probe_load = refuse
+checks = compat.cpu_isa_checks()
+run_cpu_checks()
+print([str(isa) for isa in checks if bool(isa)])
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="Inductor checks x86 only")
+def test_a_warm_start_loads_none_of_the_cpu_check_libraries_again(tmp_path: pathlib.Path) -> None:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+
+    def run(mode: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", _CHECKS, mode], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.strip()
+
+    first = run("cold")  # builds each library and loads it once
+    assert first.startswith("[") and first != "[]"  # this CPU has at least AVX2
+    markers = {p.with_name(p.name + ".load_ok") for p in tmp_path.rglob("*.so")}
+    assert markers and markers <= set(tmp_path.rglob("*.load_ok"))  # one per library, as torch 2.15 writes
+    assert run("no-loads") == first  # a new process: the same verdicts, no library loaded
