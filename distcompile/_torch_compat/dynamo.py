@@ -234,8 +234,8 @@ def run_cpu_isa_check(isa: object) -> bool:
             return True
         ok = probe(isa, path)
         if ok:
-            with open(marker, "w"):
-                pass
+            with contextlib.suppress(OSError):  # a read-only cache: load again next time
+                open(marker, "w").close()
         return ok
 
     isa._probe_load = load  # type: ignore[attr-defined]  # this call only
