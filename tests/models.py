@@ -418,3 +418,19 @@ class DropoutKeywords(nn.Module):
 
 
 BUILDERS["dropout_kwargs"] = DropoutKeywords
+
+
+class StepCounter(nn.Module):
+    """Counts its calls in a Python int and scales by it: each call fails the last one's guard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 8)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x) * (1.0 + 0.01 * self.calls)
+
+
+BUILDERS["step_counter"] = StepCounter

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -431,8 +432,8 @@ def two_models_one_class(rank: int, world: int) -> dict:
     }
 
 
-def progress_lines(rank: int, world: int) -> str:
-    """With logging unconfigured, wrap prints rank-prefixed progress on the first rank."""
+def _progress_output(rank: int, train: Callable[[], None]) -> str:
+    """What ``train()`` printed to stderr, with logging unconfigured (wrap's own progress lines)."""
     import contextlib
     import io
     import logging
@@ -446,12 +447,33 @@ def progress_lines(rank: int, world: int) -> str:
         # The handler writes to sys.stderr as it was when attached: attach inside the redirect.
         logging.getLogger("distcompile").handlers.clear()
         dc_log.enable_progress(rank=rank, first_rank=rank == 0)
+        train()
+    return err.getvalue()
+
+
+def progress_lines(rank: int, world: int) -> str:
+    """With logging unconfigured, wrap prints rank-prefixed progress on the first rank."""
+
+    def train() -> None:
         model = distcompile.wrap(DDP(BUILDERS["mlp_seq"](), bucket_cap_mb=0.01), backend="eager")
         model(torch.randn(4, 64)).sum().backward()
         model(torch.randn(6, 64)).sum().backward()  # a recompile: a warning on rank 0 only
         with torch.no_grad():
             model(torch.randn(6, 64))  # an inference graph: no buckets, no backward to compile
-    return err.getvalue()
+
+    return _progress_output(rank, train)
+
+
+def counter_recompiles(rank: int, world: int) -> dict:
+    """Four steps of a model whose Python-int call counter fails a guard at every call."""
+    model = distcompile.wrap(DDP(BUILDERS["step_counter"]()), backend="eager")
+
+    def train() -> None:
+        for _ in range(4):
+            model(torch.randn(4, 64)).sum().backward()
+
+    out = _progress_output(rank, train)
+    return {"out": out, "reasons": [list(g.recompile_reasons) for g in model.graphs]}
 
 
 def shared_compile(rank: int, world: int, cache_dir: str) -> dict:

@@ -33,6 +33,7 @@ from .._errors import CompileError, DistCompileError, RecompileError
 from ..capture.breaks import graph_break_reason
 from ..capture.flops import node_flops
 from ..capture.graph import CapturedGraph, read_graph
+from ..capture.guards import condense_guard_failures, recompile_note
 from ..planning.costs import CostModel
 from ..planning.plan import GraphCosts, Plan, plan_graph
 from .segments import inner_compiler, split_and_compile
@@ -344,7 +345,7 @@ class GraphCompiler:
             layout,
             pieces,
             cfg.backend,
-            f" (recompile: {'; '.join(reasons)})" if reasons else "",
+            recompile_note(reasons),
         )
         segment_s: list[float] = []
 
@@ -395,14 +396,13 @@ class GraphCompiler:
         )
         reasons = record.recompile_reasons
         if reasons:
-            # Every rank recompiles together (the agreement check makes sure), so the first
-            # rank speaks for all of them.
+            # Every rank recompiles together (the agreement check makes sure): the first speaks.
             log.log(
                 logging.WARNING if t.rank == t.ranks[0] else logging.DEBUG,
                 "graph %d is a recompile (%d failed guard(s), in TorchDynamo's order):\n  %s",
                 record.graph_id,
                 len(reasons),
-                "\n  ".join(reasons),
+                "\n  ".join(condense_guard_failures(reasons)),
             )
         if self.observer is None:
             return compiled

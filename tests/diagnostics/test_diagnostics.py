@@ -104,3 +104,17 @@ def test_parameters_trained_outside_every_graph_are_reported_once() -> None:
     assert "eager.lin.weight" in message and "47% of the bytes" in message, message
     assert "TORCH_LOGS=graph_breaks" in message, message
     assert rank0["mlp_seq"] == [] and rank1 == {"compiler_disable": [], "mlp_seq": []}, (rank0, rank1)
+
+
+def test_a_guard_that_fails_at_every_call_is_said_once_per_recompile() -> None:
+    res0, res1 = run_ranks(workers.counter_recompiles, 2)
+    assert [len(r) for r in res0["reasons"]] == [0, 1, 2, 3]  # the API keeps every failed guard
+    out0 = res0["out"]
+    assert "graph 3 is a recompile (3 failed guard(s), in TorchDynamo's order):" in out0, out0
+    listed = [line for line in out0.splitlines() if line.startswith("  0/")]
+    assert len(listed) == 3, out0  # one line per recompile, not 1 + 2 + 3
+    assert (
+        "calls == 2" in listed[-1] and "[the same guard failed on 2 older versions: 0/1, 0/0]" in listed[-1]
+    )
+    assert "with eager (recompile: 0/2: self.calls == 2, 3 failed guard(s))" in out0, out0
+    assert res1["out"] == "", res1["out"]
