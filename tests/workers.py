@@ -51,6 +51,8 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
         wrap_kwargs["bucket_cap_mb"] = "auto"
     if case in _DYNAMIC:
         wrap_kwargs["dynamic"] = _DYNAMIC[case]
+    if case == "recompile_limit":  # this rank's process only: the third version is never compiled
+        torch._dynamo.config.recompile_limit = 2
     if case == "retain_graph":  # a cold compile cache: see test_retain_graph_under_inductor
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="distcompile-retain-")
     if case == "fp16_hook":

@@ -147,6 +147,14 @@ def test_dynamic_shapes_match_eager_ddp(case: str, backend: str, graphs: int) ->
     assert 1 <= results[0]["graphs"] <= graphs, results[0]["graphs"]
 
 
+def test_past_the_recompile_limit_the_model_runs_eagerly_and_stays_in_sync() -> None:
+    """A Python-int counter fails a guard at every call; past TorchDynamo's limit (2 versions
+    here) the forward runs eagerly, its gradients all-reduced in the trailing bucket."""
+    results = run_ranks(workers.parity, 2, "step_counter", "eager", "recompile_limit", 5)
+    _check(results, TOL["eager"])
+    assert all(r["graphs"] == 2 for r in results), [r["graphs"] for r in results]
+
+
 @pytest.mark.long  # test_sharing.py runs retain_graph=True under Inductor in the default set
 def test_retain_graph_under_inductor() -> None:
     """backward(retain_graph=True) from the first step, as under torch.compile.
