@@ -59,6 +59,12 @@ class Config:
             recompiled once as dynamic), ``True`` (every dimension dynamic from the first
             compile) or ``False`` (never dynamic: every new shape recompiles).
         cudagraphs: Record each segment in a CUDA graph. CUDA only.
+        regions: Trace each class of repeated block once (the layers of an
+            ``nn.ModuleList`` or ``nn.Sequential``, as TorchDynamo's nested compile
+            regions) and copy that trace for the other blocks whose inputs and guards
+            match; the graph planned and compiled is the same. A capture TorchDynamo
+            cannot do that way (a graph break inside a block, dynamic shapes on some
+            models) is done again without regions. ``False``: trace every block.
         recompile: ``"allow"`` recompiles (each one is logged with the guard that
             failed) or ``"error"``: after the first synchronized step, a recompile raises
             :class:`distcompile.RecompileError` naming the guard, for latency-critical runs.
@@ -93,6 +99,7 @@ class Config:
     fullgraph: bool = False
     dynamic: bool | None = None
     cudagraphs: bool = False
+    regions: bool = True
     recompile: str = "allow"
     check_params: bool = True
     detect_nonfinite: bool = False

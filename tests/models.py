@@ -434,3 +434,32 @@ class StepCounter(nn.Module):
 
 
 BUILDERS["step_counter"] = StepCounter
+
+
+class _BreakingBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()  # inside a repeated block: no nested compile region
+        return x + self.b(h)
+
+
+class BreakInBlocks(nn.Module):
+    """Repeated blocks with a graph break inside each: captured again without regions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_BreakingBlock() for _ in range(3))
+        self.out = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+BUILDERS["break_in_blocks"] = BreakInBlocks

@@ -89,6 +89,7 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
         "ref_buffers": [b.clone() for b in ref.module.buffers()],
         "buffers": [b.clone() for b in ours.module.buffers()],
         "graphs": len(ours.graphs),
+        "regions_kept": ours._unmark is not None,  # blocks still marked (no capture fell back)
         "segments": [len(g.plan.segments) for g in ours.graphs],
         "pieces": [len(g.plan.pieces) for g in ours.graphs],
         "pieces_reused": [g.pieces_reused for g in ours.graphs],

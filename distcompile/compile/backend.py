@@ -3,16 +3,15 @@
 ``GraphCompiler.__call__`` is the recipe, one named step each:
 
 1. ``_take_recompile_reasons``: the guards that failed (a recompile), and the policy.
-2. ``_plan``: read the graph, price it (``bucket_cap_mb="auto"``), plan segments and buckets.
+2. ``_plan``: inline its nested compile regions, read it, price it, plan segments and buckets.
 3. ``_agree``: every rank captured the same graph and planned the same segments.
 4. ``_compile``: split the graph at the segment boundaries and compile each piece (timed).
 5. ``_register``: the reducer learns the graph's buckets.
 6. ``_record``: a ``GraphRecord``, the log lines, and the observer (telemetry).
 
-Any exception from inside torch becomes a ``CompileError`` naming the step, the graph,
-the backend, the torch version and the next step down the debugging ladder, except
-TorchDynamo's own control flow (``compat.dynamo_control_flow``: "restart the trace",
-"skip this frame"), which goes back to TorchDynamo untouched; it calls the backend again.
+Any exception from inside torch becomes a ``CompileError`` naming the step, graph, backend, torch
+version and next step down the debugging ladder, except TorchDynamo's own control flow ("restart
+the trace", "skip this frame": ``compat.dynamo_control_flow``), which goes back to it untouched.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from ..capture.breaks import graph_break_reason
 from ..capture.flops import node_flops
 from ..capture.graph import CapturedGraph, read_graph
 from ..capture.guards import condense_guard_failures, recompile_note
+from ..capture.regions import inline_regions
 from ..planning.costs import CostModel
 from ..planning.plan import GraphCosts, Plan, plan_graph
 from .segments import inner_compiler, split_and_compile
@@ -254,7 +254,7 @@ class GraphCompiler:
 
     def _plan(self, gm: fx.GraphModule, example_inputs: list) -> tuple[CapturedGraph, Plan, str]:
         t = self.target
-        captured = read_graph(gm, example_inputs, t.params_by_id)
+        captured = read_graph(inline_regions(gm), example_inputs, t.params_by_id)
         self._doing = "planning segments and buckets"
         param_bytes = {n: p.numel() * p.element_size() for n, p in captured.params.items()}
         owned = self.registry.claimed()  # parameters an earlier graph of this step buckets

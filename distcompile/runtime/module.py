@@ -16,6 +16,7 @@ from .. import _torch_compat as compat
 from .._agreement import default_store, failed_ranks, mark_failed
 from .._config import Config
 from .._errors import DistCompileError, UnsupportedModelError
+from ..capture.regions import RegionNotInlined, mark_repeated_blocks
 from ..compile.backend import CompileObserver, CompileTarget, GraphCompiler, GraphRecord
 from . import shutdown
 from .collectives import broadcast_coalesced
@@ -38,6 +39,18 @@ class Observer(StepObserver, CompileObserver, Protocol):
 
     def close(self) -> None:
         """Flush and release what the observer holds; called by ``DistCompiledModule.close``."""
+
+
+def _region_failure(exc: BaseException) -> bool:
+    """Whether a failed capture may be the regions' doing: TorchDynamo's own error, or ours
+    for a region that cannot be inlined; not our planning errors (desync, recompile, ...)."""
+    inner = compat.backend_failure_cause(exc)
+    if not isinstance(inner, DistCompileError):
+        return True
+    cause: BaseException | None = inner
+    while cause is not None and not isinstance(cause, RegionNotInlined):
+        cause = cause.__cause__
+    return cause is not None
 
 
 class DistCompiledModule(nn.Module):
@@ -100,6 +113,7 @@ class DistCompiledModule(nn.Module):
             store_prefix=self._store_prefix,
         )
         self._backend = GraphCompiler(target, registry=self._reducer, observer=observer)
+        self._unmark = mark_repeated_blocks(module) if config.regions else None
         compiled = compat.compile_module(
             module,
             backend=self._backend,
@@ -140,7 +154,7 @@ class DistCompiledModule(nn.Module):
                 self.config.backend,
             )
         try:
-            return self._compiled(*args, **kwargs)
+            return self._call_compiled(args, kwargs)
         except Exception as exc:
             # Peers blocked in an all-reduce with this rank can then name it.
             mark_failed(default_store(), self._store_prefix, self._rank, f"{type(exc).__name__}: {exc}")
@@ -150,6 +164,21 @@ class DistCompiledModule(nn.Module):
             if isinstance(inner, DistCompileError):
                 raise inner from inner.__cause__
             raise
+
+    def _call_compiled(self, args: tuple, kwargs: dict) -> object:
+        try:
+            return self._compiled(*args, **kwargs)
+        except Exception as exc:  # Note [Nested compile regions]: TorchDynamo raises, we retry without
+            unmark, self._unmark = self._unmark, None
+            if unmark is None or not _region_failure(exc):
+                raise
+            log.info(
+                "capturing again with every block traced (TorchDynamo could not trace a repeated block "
+                "as a nested compile region: %s)",
+                str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__,
+            )
+            unmark()
+            return self._compiled(*args, **kwargs)
 
     def _check_not_wrapped(self) -> None:
         # Until the first training forward: a DDP put around this module (Accelerate's prepare

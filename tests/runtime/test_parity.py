@@ -208,3 +208,15 @@ def test_tail_only_compression() -> None:
             rtol, atol = TOL["half"] if name in half else TOL["aot_eager"]  # bf16 on the wire: close
             np.testing.assert_allclose(ours, ref, rtol=rtol, atol=atol, err_msg=name)
         assert any((res["ours"][n] != res["ref"][n]).any() for n in half), "tail was not compressed"
+
+
+def test_a_graph_break_inside_repeated_blocks_captures_again_without_regions() -> None:
+    results = run_ranks(workers.parity, 2, "break_in_blocks", "eager")
+    _check(results, TOL["eager"])
+    assert not any(r["regions_kept"] for r in results)
+
+
+def test_repeated_blocks_stay_regions_when_they_can() -> None:
+    results = run_ranks(workers.parity, 2, "repeats", "aot_eager")
+    _check(results, TOL["aot_eager"])
+    assert all(r["regions_kept"] for r in results)

@@ -1,0 +1,69 @@
+"""Repeated blocks traced once as nested compile regions, inlined back (Note [Nested compile regions])."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from distcompile.capture.graph import own_forward_code
+from distcompile.capture.regions import inline_regions, mark_repeated_blocks
+from distcompile.models import GPT, GPTConfig
+from tests.models import Repeats
+
+_BODY = ("placeholder", "get_attr", "output")
+
+
+def _capture(model: nn.Module, x: torch.Tensor, *, marked: bool, tag: str) -> dict:
+    """The graph TorchDynamo captured, after inlining: each node's op, target and module paths."""
+    seen: dict = {}
+    unmark = mark_repeated_blocks(model) if marked else None
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        seen["regions"] = sum(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
+        inline_regions(gm)
+        seen["nodes"] = [
+            (n.op, str(n.target), tuple(str(p) for p, _ in (n.meta.get("nn_module_stack") or {}).values()))
+            for n in gm.graph.nodes
+            if n.op not in _BODY
+        ]
+        return gm.forward
+
+    seen["out"] = torch.compile(own_forward_code(model, tag), backend=backend)(x)
+    if unmark is not None:
+        unmark()
+    return seen
+
+
+def test_a_transformer_traced_with_regions_is_the_graph_traced_without() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32))
+    x = torch.randint(0, 64, (2, 16))
+    plain = _capture(model, x, marked=False, tag="regions-plain")
+    marked = _capture(model, x, marked=True, tag="regions-marked")
+    assert plain["regions"] == 0 and marked["regions"] == 4  # one region call per block
+    assert marked["nodes"] == plain["nodes"]  # same operations, same module paths
+    assert any("blocks.3" in p for _, _, stack in marked["nodes"] for p in stack)
+    torch.testing.assert_close(marked["out"], plain["out"], rtol=0, atol=0)
+
+
+def test_blocks_of_two_classes_and_checkpointed_ones_come_back_in_place() -> None:
+    torch.manual_seed(0)
+    model = Repeats()  # A, B, A, A, then three checkpointed blocks of another width
+    x = torch.randn(8, 64)
+    plain = _capture(model, x, marked=False, tag="repeats-plain")
+    marked = _capture(model, x, marked=True, tag="repeats-marked")
+    assert marked["regions"] > 0
+    assert marked["nodes"] == plain["nodes"]
+    torch.testing.assert_close(marked["out"], model(x))
+
+
+def test_marking_needs_repeated_blocks_and_unmarking_restores_the_classes() -> None:
+    assert mark_repeated_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))) is None
+    model = Repeats()
+    classes = [type(m) for m in model.modules()]
+    unmark = mark_repeated_blocks(model)
+    assert unmark is not None
+    marked = [type(m) for m in model.modules()]
+    assert marked != classes and all(issubclass(m, c) for m, c in zip(marked, classes))
+    unmark()
+    assert [type(m) for m in model.modules()] == classes
