@@ -48,6 +48,21 @@ def _repeated_blocks(module: nn.Module) -> list[list[nn.Module]]:
     return groups
 
 
+def _as(cls: type) -> Callable:
+    """A ``__reduce_ex__`` that pickles and copies a marked block as its own class (unmarked)."""
+
+    def reduce(self: object, protocol: int) -> tuple:
+        return (_rebuild, (cls, self.__getstate__()))
+
+    return reduce
+
+
+def _rebuild(cls: type, state: dict) -> object:
+    obj = cls.__new__(cls)
+    obj.__setstate__(state)
+    return obj
+
+
 def mark_repeated_blocks(module: nn.Module) -> Callable[[], None] | None:
     """Mark ``module``'s repeated blocks as nested compile regions; return what unmarks them.
 
@@ -66,7 +81,8 @@ def mark_repeated_blocks(module: nn.Module) -> Callable[[], None] | None:
     swapped: list[tuple[nn.Module, type]] = []
     for blocks in groups:
         cls = type(blocks[0])
-        marked = type(cls.__name__, (cls,), {"forward": region(cls.forward), "__module__": cls.__module__})
+        attrs = {"forward": region(cls.forward), "__module__": cls.__module__, "__reduce_ex__": _as(cls)}
+        marked = type(cls.__name__, (cls,), attrs)
         for block in blocks:
             swapped.append((block, cls))
             block.__class__ = marked

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import torch
 from torch import nn
 
@@ -65,5 +68,9 @@ def test_marking_needs_repeated_blocks_and_unmarking_restores_the_classes() -> N
     assert unmark is not None
     marked = [type(m) for m in model.modules()]
     assert marked != classes and all(issubclass(m, c) for m, c in zip(marked, classes))
+    # A whole-model pickle or copy taken meanwhile holds the blocks' own classes.
+    for clone in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert [type(m) for m in clone.modules()] == classes
+        torch.testing.assert_close(clone(torch.ones(2, 64)), model(torch.ones(2, 64)))
     unmark()
     assert [type(m) for m in model.modules()] == classes
