@@ -64,7 +64,8 @@ class Config:
             regions) and copy that trace for the other blocks whose inputs and guards
             match; the graph planned and compiled is the same. A capture TorchDynamo
             cannot do that way (a graph break inside a block, dynamic shapes on some
-            models) is done again without regions. ``False``: trace every block.
+            models) is done again without regions. ``False``, or ``dynamic=True``: trace
+            every block.
         recompile: ``"allow"`` recompiles (each one is logged with the guard that
             failed) or ``"error"``: after the first synchronized step, a recompile raises
             :class:`distcompile.RecompileError` naming the guard, for latency-critical runs.

@@ -113,7 +113,8 @@ class DistCompiledModule(nn.Module):
             store_prefix=self._store_prefix,
         )
         self._backend = GraphCompiler(target, registry=self._reducer, observer=observer)
-        self._unmark = mark_repeated_blocks(module) if config.regions else None
+        # dynamic=True: TorchDynamo (2.13, 2.15) fails region traces with every dimension dynamic.
+        self._unmark = mark_repeated_blocks(module) if config.regions and config.dynamic is not True else None
         compiled = compat.compile_module(
             module,
             backend=self._backend,
