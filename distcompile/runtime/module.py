@@ -228,6 +228,8 @@ class DistCompiledModule(nn.Module):
     def close(self) -> None:
         """Flush TensorBoard files and traces, remove gradient hooks; the module stops synchronizing.
 
+        Repeated blocks get their own classes back (Note [Nested compile regions]).
+
         Safe to call twice. A model still open at interpreter exit is closed then (an
         ``atexit`` handler), so a script that never calls it loses no telemetry.
 
@@ -236,6 +238,9 @@ class DistCompiledModule(nn.Module):
         """
         shutdown.untrack(self)
         self._reducer.close()
+        unmark, self._unmark = self._unmark, None
+        if unmark is not None:
+            unmark()
         if self._observer is not None:
             self._observer.close()
 

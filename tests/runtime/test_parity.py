@@ -219,4 +219,4 @@ def test_a_graph_break_inside_repeated_blocks_captures_again_without_regions() -
 def test_repeated_blocks_stay_regions_when_they_can() -> None:
     results = run_ranks(workers.parity, 2, "repeats", "aot_eager")
     _check(results, TOL["aot_eager"])
-    assert all(r["regions_kept"] for r in results)
+    assert all(r["regions_kept"] and r["classes_restored"] for r in results)
