@@ -30,7 +30,8 @@ __all__ = ["RegionNotInlined", "inline_regions", "mark_repeated_blocks"]
 
 
 class RegionNotInlined(RuntimeError):
-    """A region call whose outputs are read other than one by one (not seen from TorchDynamo)."""
+    """A region call that cannot be copied back: its outputs read whole, or an input of
+    another kind than its body was traced with."""
 
 
 def _repeated_blocks(module: nn.Module) -> list[list[nn.Module]]:
@@ -42,6 +43,7 @@ def _repeated_blocks(module: nn.Module) -> list[list[nn.Module]]:
         for child in container.children():
             cls = type(child)
             own = not cls.__module__.startswith("torch.") and "forward" in vars(cls)
+            own = own and "_distcompile_region" not in vars(cls)  # marked already (another wrap)
             if own and any(True for _ in child.children()):
                 by_class.setdefault(cls, []).append(child)
         groups.extend(g for g in by_class.values() if len(g) > 1)
@@ -82,6 +84,7 @@ def mark_repeated_blocks(module: nn.Module) -> Callable[[], None] | None:
     for blocks in groups:
         cls = type(blocks[0])
         attrs = {"forward": region(cls.forward), "__module__": cls.__module__, "__reduce_ex__": _as(cls)}
+        attrs["_distcompile_region"] = True
         marked = type(cls.__name__, (cls,), attrs)
         for block in blocks:
             swapped.append((block, cls))

@@ -68,6 +68,7 @@ def test_marking_needs_repeated_blocks_and_unmarking_restores_the_classes() -> N
     assert unmark is not None
     marked = [type(m) for m in model.modules()]
     assert marked != classes and all(issubclass(m, c) for m, c in zip(marked, classes))
+    assert mark_repeated_blocks(model) is None  # marked once, whatever wraps it again
     # A whole-model pickle or copy taken meanwhile holds the blocks' own classes.
     for clone in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
         assert [type(m) for m in clone.modules()] == classes
