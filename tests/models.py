@@ -463,3 +463,26 @@ class BreakInBlocks(nn.Module):
 
 
 BUILDERS["break_in_blocks"] = BreakInBlocks
+
+
+class RaisesOnce(nn.Module):
+    """A graph runs, then eager code raises at the first call only; repeated blocks follow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, 64)
+        self.layers = nn.ModuleList([_Res(64), _Res(64)])
+        self.calls = 0
+
+    @torch.compiler.disable
+    def _check(self) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            raise ValueError("bad first batch")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        self._check()
+        for layer in self.layers:
+            h = layer(h)
+        return h

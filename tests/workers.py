@@ -13,7 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distcompile
-from tests.models import BUILDERS, batch, loss_fn
+from tests.models import BUILDERS, RaisesOnce, batch, loss_fn
 
 
 def _bf16_reference_hook(state, bucket):  # noqa: ANN001 - DDP inspects a real annotation; leave none
@@ -520,3 +520,15 @@ def uncompiled_report(rank: int, world: int) -> dict:
         records.clear()
     logger.removeHandler(handler)
     return out
+
+
+def raises_once(rank: int, world: int) -> dict:
+    """The user's error at the first call reaches the user (no silent second try), then training goes on."""
+    model = distcompile.wrap(DDP(RaisesOnce()), backend="eager")
+    try:
+        model(torch.randn(4, 64))
+        first = "no error"
+    except ValueError as exc:
+        first = str(exc)
+    model(torch.randn(4, 64)).sum().backward()
+    return {"first": first, "calls": model.module.calls, "regions_kept": model._unmark is not None}

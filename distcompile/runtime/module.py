@@ -167,12 +167,14 @@ class DistCompiledModule(nn.Module):
             raise
 
     def _call_compiled(self, args: tuple, kwargs: dict) -> object:
+        ran = self._reducer.graphs_run
         try:
             return self._compiled(*args, **kwargs)
         except Exception as exc:  # Note [Nested compile regions]: TorchDynamo raises, we retry without
-            unmark, self._unmark = self._unmark, None
-            if unmark is None or not _region_failure(exc):
+            # Not after a graph of this call ran: running again would repeat its effects (buffers).
+            if self._unmark is None or self._reducer.graphs_run != ran or not _region_failure(exc):
                 raise
+            unmark, self._unmark = self._unmark, None
             log.info(
                 "capturing again with every block traced (TorchDynamo could not trace a repeated block "
                 "as a nested compile region: %s)",

@@ -188,6 +188,11 @@ class BucketReducer:
     def step_open(self) -> bool:
         return self._step is not None
 
+    @property
+    def graphs_run(self) -> int:
+        """Captured graphs that ran with gradients in the open step (0 when none is open)."""
+        return 0 if self._step is None else len(self._step.graphs)
+
     # -- backward side -------------------------------------------------------------
     def _schedule(self, graphs: tuple[int, ...]) -> tuple[list[FlatBucket], dict]:
         cached = self._schedules.get(graphs)

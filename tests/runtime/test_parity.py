@@ -220,3 +220,8 @@ def test_repeated_blocks_stay_regions_when_they_can() -> None:
     results = run_ranks(workers.parity, 2, "repeats", "aot_eager")
     _check(results, TOL["aot_eager"])
     assert all(r["regions_kept"] and r["classes_restored"] for r in results)
+
+
+def test_an_error_after_a_graph_ran_is_not_retried_without_regions() -> None:
+    for res in run_ranks(workers.raises_once, 2):
+        assert res == {"first": "bad first batch", "calls": 2, "regions_kept": True}, res
