@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import fx, nn
 
-__all__ = ["RegionNotInlined", "inline_regions", "mark_repeated_blocks"]
+__all__ = ["RegionNotInlined", "inline_regions", "mark_repeated_blocks", "region_failure_reason"]
 
 
 class RegionNotInlined(RuntimeError):
@@ -95,6 +95,27 @@ def mark_repeated_blocks(module: nn.Module) -> Callable[[], None] | None:
             block.__class__ = cls
 
     return unmark
+
+
+def region_failure_reason(exc: BaseException) -> str:
+    """What TorchDynamo (or inlining) said about a region it could not trace, in one line.
+
+    TorchDynamo's message opens with a preamble shared by every higher-order op; the graph
+    break or error under it, and the first sentence of its explanation, say what happened.
+
+    Example:
+        >>> region_failure_reason(RuntimeError("Got graph break/error:\\n\\nAliasing\\n  Explanation: No alias. Found in x"))
+        'Aliasing (No alias)'
+    """
+    text = str(exc)
+    _, found, rest = text.partition("Got graph break/error:")
+    lines = [line.strip() for line in (rest if found else text).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    why = next((line for line in lines[1:] if line.startswith("Explanation:")), "")
+    why = why.removeprefix("Explanation:").strip().split(". ")[0].rstrip(".")
+    out = f"{lines[0]} ({why})" if why else lines[0]
+    return out if len(out) <= 240 else out[:237] + "..."
 
 
 def _module_stack(node: fx.Node, call: fx.Node, first: fx.Node) -> dict:

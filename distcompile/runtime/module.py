@@ -16,7 +16,7 @@ from .. import _torch_compat as compat
 from .._agreement import default_store, failed_ranks, mark_failed
 from .._config import Config
 from .._errors import DistCompileError, UnsupportedModelError
-from ..capture.regions import RegionNotInlined, mark_repeated_blocks
+from ..capture.regions import RegionNotInlined, mark_repeated_blocks, region_failure_reason
 from ..compile.backend import CompileObserver, CompileTarget, GraphCompiler, GraphRecord
 from . import shutdown
 from .collectives import broadcast_coalesced
@@ -178,7 +178,7 @@ class DistCompiledModule(nn.Module):
             log.info(
                 "capturing again with every block traced (TorchDynamo could not trace a repeated block "
                 "as a nested compile region: %s)",
-                str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__,
+                region_failure_reason(exc),
             )
             unmark()
             return self._compiled(*args, **kwargs)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from distcompile.capture.graph import own_forward_code
-from distcompile.capture.regions import inline_regions, mark_repeated_blocks
+from distcompile.capture.regions import inline_regions, mark_repeated_blocks, region_failure_reason
 from distcompile.models import GPT, GPTConfig
 from tests.models import Repeats
 
@@ -75,3 +75,52 @@ def test_marking_needs_repeated_blocks_and_unmarking_restores_the_classes() -> N
         torch.testing.assert_close(clone(torch.ones(2, 64)), model(torch.ones(2, 64)))
     unmark()
     assert [type(m) for m in model.modules()] == classes
+
+
+class _Passthrough(nn.Module):  # returns an input as it is (T5's blocks pass their position bias on)
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x) + bias, bias
+
+
+class _Breaks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return self.lin(x)
+
+
+class _Stack(nn.Module):
+    def __init__(self, block: type[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(block() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = x.sum(0)
+        for block in self.blocks:
+            x = block(x, bias)[0] if isinstance(block, _Passthrough) else block(x)
+        return x
+
+
+def test_why_a_region_could_not_be_traced_is_said_in_one_line() -> None:
+    reasons = {}
+    for block, tag in ((_Passthrough, "passthrough"), (_Breaks, "breaks")):
+        model = _Stack(block)
+        unmark = mark_repeated_blocks(model)
+        try:
+            torch.compile(own_forward_code(model, tag), backend="eager")(torch.ones(2, 4))
+        except Exception as exc:  # noqa: BLE001 - TorchDynamo's error type is what is checked
+            reasons[tag] = (type(exc).__name__, region_failure_reason(exc))
+        finally:
+            unmark()
+    assert reasons["passthrough"][0] == reasons["breaks"][0] == "UncapturedHigherOrderOpError"
+    # The cause, not the preamble every higher-order op shares; one line.
+    assert "aliasing" in reasons["passthrough"][1].lower(), reasons
+    assert "graph_break()" in reasons["breaks"][1], reasons
+    assert all("\n" not in r and "captured completely" not in r for _, r in reasons.values())
