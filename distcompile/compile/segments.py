@@ -153,11 +153,15 @@ def _piece_compiler_class() -> type:
                 self.entries.append((None, self.position, _needs_backward(args)))
             return out
 
+        def _fake(self, args: tuple) -> list:
+            return [compat.to_fake(a, self.fake_mode) for a in args]
+
         def _defer(self, n: fx.Node, real_mod: fx.GraphModule, args: tuple) -> object:
             key = piece_key(real_mod, args)
-            fake_args = [compat.to_fake(a, self.fake_mode) for a in args]
             job = self.job_of_key.get(key) if key is not None else None
+            fake_args = None
             if job is None:
+                fake_args = self._fake(args)
                 job = len(self.jobs)
                 shareable = compat.aot_cacheable(real_mod)
                 self.jobs.append(
@@ -173,6 +177,7 @@ def _piece_compiler_class() -> type:
             out = _fresh_outputs(self.outputs.get(job), self.fake_mode)
             if out is not None:  # a repeated block: its outputs are like its first sibling's
                 return out
+            fake_args = self._fake(args) if fake_args is None else fake_args
             # A piece with a key holds no tensors (reuse.piece_key), so it runs on fake
             # inputs as it is; any other gets fake copies of its parameters and buffers.
             fake_mod = real_mod if key is not None else compat.fake_module(real_mod, self.fake_mode)
