@@ -21,7 +21,8 @@ __all__ = [
 ]
 
 #: Names torch gives its communication threads (Linux thread names): gloo's work loops and
-#: transport loop, NCCL's watchdog and heartbeat. Checked: 2.11, 2.13, 2.15 (gloo).
+#: transport loop, NCCL's watchdog and heartbeat. Checked: 2.11, 2.13, 2.15 (gloo; on 2.11
+#: the transport loop has no name of its own, so two gloo threads are found, not three).
 COMM_THREAD_PREFIXES = ("pt_gloo", "gloo_", "pt_nccl")
 
 

@@ -219,7 +219,8 @@ def run_cpu_isa_check(isa: object) -> bool:
     the rule Inductor itself uses from torch 2.15 on (where this adds nothing). The
     library's name holds the hash of its code, compiler version, flags and torch
     version, so a change of any of them loads a new library. Checked: 2.13, 2.15
-    (``VecISA._probe_load(path)``, called by ``check_build`` under its lock).
+    (``VecISA._probe_load(path)``, called by ``check_build`` under its lock); 2.11 loads
+    inside ``check_build`` (no ``_probe_load``): its checks run as they are, loads included.
 
     Example:
         >>> # for isa in cpu_isa_checks(): run_cpu_isa_check(isa)

@@ -22,6 +22,7 @@ __all__ = [
     "is_fake",
     "piece_compiler_base",
     "piece_names",
+    "python_dispatcher",
     "record_piece_metadata",
     "piece_metadata_count",
     "reorder_piece_metadata",
@@ -116,6 +117,23 @@ def to_fake(value: object, fake_mode: Any) -> object:
     if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
         return to_fake_tensor(value, fake_mode)
     return value
+
+
+def python_dispatcher() -> contextlib.AbstractContextManager:
+    """The context TorchDynamo runs fake tensors under: composite ops decompose in Python.
+
+    Without it, a composite op such as ``F.linear`` on a 3-d input reads the sizes of a
+    fake tensor with symbolic shapes as ints in C++ on torch 2.11, which fixes a dynamic
+    dimension to the value at hand (every new length then recompiled). Checked: 2.11,
+    2.13, 2.15 (``torch._dispatch.python.enable_python_dispatcher``).
+
+    Example:
+        >>> with python_dispatcher():
+        ...     pass
+    """
+    from torch._dispatch.python import enable_python_dispatcher
+
+    return enable_python_dispatcher()
 
 
 def is_fake(value: object) -> bool:

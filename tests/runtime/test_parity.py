@@ -137,6 +137,9 @@ def test_parity_inductor_repeated_blocks_compiled_once() -> None:
         pytest.param("dynamic_true", "inductor", 2, marks=pytest.mark.long),  # ~30 s on a cold cache
         ("dynamic_false", "aot_eager", 3),  # one graph per sequence length
         ("dynamic_auto", "aot_eager", 2),  # static, then one dynamic recompile
+        # Inductor's pieces are walked on fake tensors: on torch 2.11 that fixed the new dynamic
+        # length (F.linear read symbolic sizes as ints), so every length recompiled.
+        pytest.param("dynamic_auto", "inductor", 2, marks=pytest.mark.long),
         ("mark_dynamic", "aot_eager", 1),
     ],
 )
