@@ -174,14 +174,19 @@ class DistCompiledModule(nn.Module):
             # Not after a graph of this call ran: running again would repeat its effects (buffers).
             if self._unmark is None or self._reducer.graphs_run != ran or not _region_failure(exc):
                 raise
-            unmark, self._unmark = self._unmark, None
             log.info(
                 "capturing again with every block traced (TorchDynamo could not trace a repeated block "
                 "as a nested compile region: %s)",
                 region_failure_reason(exc),
             )
-            unmark()
+            self._drop_regions()
             return self._compiled(*args, **kwargs)
+
+    def _drop_regions(self) -> None:
+        """Give the repeated blocks their own classes back, once (Note [Nested compile regions])."""
+        unmark, self._unmark = self._unmark, None
+        if unmark is not None:
+            unmark()
 
     def _check_not_wrapped(self) -> None:
         # Until the first training forward: a DDP put around this module (Accelerate's prepare
@@ -240,9 +245,7 @@ class DistCompiledModule(nn.Module):
         """
         shutdown.untrack(self)
         self._reducer.close()
-        unmark, self._unmark = self._unmark, None
-        if unmark is not None:
-            unmark()
+        self._drop_regions()
         if self._observer is not None:
             self._observer.close()
 
