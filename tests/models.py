@@ -348,9 +348,42 @@ class Repeats(nn.Module):
         return self.out(x)
 
 
+class _Square(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a, self.b, self.norm = nn.Linear(d, d), nn.Linear(d, d), nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.b(torch.tanh(self.a(x))))
+
+
+class CheckpointAround(nn.Module):
+    """Blocks checkpointed from outside, as Hugging Face's ``gradient_checkpointing_enable()`` does.
+
+    Under regions each checkpoint body calls the shared block region; Inductor (2.13) then
+    wrote a gradient into block 0's weight (Note [Regions under checkpoint]). It needs a
+    gradient computed after the blocks' backward with a block weight's shape (``inp``'s).
+    """
+
+    def __init__(self, *, reentrant: bool = False) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Linear(64, 64)
+        self.blocks = nn.ModuleList(_Square(64) for _ in range(3))
+        self.out = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.out(x)
+
+
 BUILDERS.update(
     {
         "repeats": Repeats,
+        "checkpoint_around": CheckpointAround,
+        "checkpoint_around_reentrant": lambda: CheckpointAround(reentrant=True),
         "compiler_disable": CompilerDisable,
         "disable_nonrecursive": DisableNonRecursive,
         "allow_in_graph": AllowInGraph,

@@ -16,6 +16,26 @@ captures again (``runtime.module``), at the first call or at a recompile; ``regi
 does without them. Measured on the benchmark GPT at 32 layers (torch 2.13, one process):
 TorchDynamo's trace took 1.26 s, 0.48 s with regions, and the inlined graph had the same
 operations and module paths as the graph traced without.
+
+Note [Regions under checkpoint]
+-------------------------------
+Hugging Face's ``gradient_checkpointing_enable()`` checkpoints each block from outside
+(``checkpoint(block.__call__, x)``), so TorchDynamo puts each block's region call inside a
+``tag_activation_checkpoint`` body, all calling one shared region graph. Left there, it
+reached AOTAutograd, and torch 2.13 got it wrong under two backends. With Inductor, the
+backward recomputes the block by calling the region's compiled forward, whose outputs
+saved for backward include views of the block's weights (a transposed ``Linear``
+weight); the enclosing backward graph treats that call's outputs as buffers of its own
+and reused one, the transposed weight of block 0, for a gradient of the same shape
+computed later (an input layer's or position embedding's). Block 0's weights were
+overwritten during ``backward()``: step 0's gradients were right, training was wrong from
+step 1 (BERT: LayerNorm weights near 0.01), and since each rank's corruption came from its
+own gradients, the ranks parted. With ``backend="eager"`` the region's autograd function
+asserted "fake_mode should be enabled for HOPs" in backward. (Related upstream fix of
+another region aliasing bug in Inductor: pytorch#193960.) So every region call is
+inlined, in the bodies of other higher-order ops too, and a call that is still left raises
+:class:`RegionNotInlined`, which captures the model again without regions: no region
+ever reaches AOTAutograd. Reproduced in small by ``tests.models.CheckpointAround``.
 """
 
 from __future__ import annotations
@@ -144,9 +164,9 @@ def _same_kind(inner: fx.Node, outer: object) -> bool:
     return isinstance(a, torch.Tensor) == isinstance(b, torch.Tensor)
 
 
-def _inline_call(gm: fx.GraphModule, call: fx.Node, first: fx.Node) -> None:
+def _inline_call(gm: fx.GraphModule, call: fx.Node, first: fx.Node, firsts: dict[str, fx.Node]) -> None:
     body = getattr(gm, str(call.args[0].target))
-    inline_regions(body)  # regions inside the region
+    _inline_here(body, firsts)  # regions inside the region
     graph = gm.graph
     env: dict[fx.Node, object] = {}
     placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
@@ -183,24 +203,40 @@ def _inline_call(gm: fx.GraphModule, call: fx.Node, first: fx.Node) -> None:
     graph.erase_node(call)
 
 
+def _region_calls(gm: fx.GraphModule) -> list[fx.Node]:
+    invoke = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is invoke]
+
+
 def inline_regions(gm: fx.GraphModule) -> fx.GraphModule:
     """Replace each ``invoke_subgraph`` call in ``gm`` by a copy of its body, in place; ``gm``.
+
+    Calls inside the bodies of other higher-order ops (a checkpointed block) are inlined
+    too, so that none reaches AOTAutograd (Note [Regions under checkpoint]); one left
+    raises :class:`RegionNotInlined`, and the model is captured again without regions.
 
     Example:
         >>> inline_regions(fx.symbolic_trace(nn.Linear(2, 2))).graph.find_nodes(op="output")[0].op
         'output'
     """
-    invoke = getattr(torch.ops.higher_order, "invoke_subgraph", None)
-    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is invoke]
+    first: dict[str, fx.Node] = {}  # each region's first call, over all graphs in trace order
+    for graph in [gm, *(m for m in gm.modules() if m is not gm and isinstance(m, fx.GraphModule))]:
+        _inline_here(graph, first)
+    left = [n.name for m in gm.modules() if isinstance(m, fx.GraphModule) for n in _region_calls(m)]
+    if left:
+        raise RegionNotInlined(f"nested compile region calls left after inlining: {left[:3]}")
+    return gm
+
+
+def _inline_here(gm: fx.GraphModule, first: dict[str, fx.Node]) -> None:
+    calls = _region_calls(gm)
     if not calls:
-        return gm
-    first: dict[str, fx.Node] = {}
+        return
     for call in calls:
-        _inline_call(gm, call, first.setdefault(str(call.args[1]), call))
+        _inline_call(gm, call, first.setdefault(str(call.args[1]), call), first)
     for node in list(gm.graph.nodes):
         if node.op == "get_attr" and not node.users:
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.delete_all_unused_submodules()
     gm.recompile()
-    return gm

@@ -5,15 +5,20 @@ from __future__ import annotations
 import copy
 import pickle
 
+import pytest
 import torch
 from torch import nn
 
 from distcompile.capture.graph import own_forward_code
 from distcompile.capture.regions import inline_regions, mark_repeated_blocks, region_failure_reason
 from distcompile.models import GPT, GPTConfig
-from tests.models import Repeats
+from tests.models import CheckpointAround, Repeats
 
 _BODY = ("placeholder", "get_attr", "output")
+
+
+def _calls(gm: torch.fx.GraphModule) -> int:
+    return sum(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
 
 
 def _capture(model: nn.Module, x: torch.Tensor, *, marked: bool, tag: str) -> dict:
@@ -22,12 +27,19 @@ def _capture(model: nn.Module, x: torch.Tensor, *, marked: bool, tag: str) -> di
     unmark = mark_repeated_blocks(model) if marked else None
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        seen["regions"] = sum(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
+        seen["regions"] = sum(_calls(m) for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
         inline_regions(gm)
+        seen["regions_left"] = sum(_calls(m) for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
         seen["nodes"] = [
             (n.op, str(n.target), tuple(str(p) for p, _ in (n.meta.get("nn_module_stack") or {}).values()))
             for n in gm.graph.nodes
             if n.op not in _BODY
+        ]
+        # The bodies of other higher-order ops (checkpoint's), by operation.
+        seen["bodies"] = [
+            [(n.op, str(n.target)) for n in m.graph.nodes if n.op not in _BODY]
+            for m in gm.children()
+            if isinstance(m, torch.fx.GraphModule)
         ]
         return gm.forward
 
@@ -58,6 +70,22 @@ def test_blocks_of_two_classes_and_checkpointed_ones_come_back_in_place() -> Non
     assert marked["regions"] > 0
     assert marked["nodes"] == plain["nodes"]
     torch.testing.assert_close(marked["out"], model(x))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_regions_inside_checkpoint_bodies_are_inlined_too(reentrant: bool) -> None:
+    """Note [Regions under checkpoint]: blocks checkpointed from outside (Hugging Face's
+    ``gradient_checkpointing_enable()``) put a region call in each checkpoint body; none may
+    be left for AOTAutograd, and the bodies must be those traced without regions."""
+    torch.manual_seed(0)
+    model = CheckpointAround(reentrant=reentrant)
+    x = torch.randn(8, 64)
+    plain = _capture(model, x, marked=False, tag=f"around-plain-{reentrant}")
+    marked = _capture(model, x, marked=True, tag=f"around-marked-{reentrant}")
+    assert marked["regions"] > 0 and marked["regions_left"] == 0, marked["regions"]
+    assert len(plain["bodies"]) == 3 and marked["bodies"] == plain["bodies"]
+    assert marked["nodes"] == plain["nodes"]
+    torch.testing.assert_close(marked["out"], plain["out"], rtol=0, atol=0)
 
 
 def test_marking_needs_repeated_blocks_and_unmarking_restores_the_classes() -> None:

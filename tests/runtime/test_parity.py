@@ -213,6 +213,22 @@ def test_tail_only_compression() -> None:
         assert any((res["ours"][n] != res["ref"][n]).any() for n in half), "tail was not compressed"
 
 
+@pytest.mark.parametrize(
+    ("model", "backend"),
+    [
+        ("checkpoint_around", "eager"),  # the ladder's first rung crashed in backward (torch's assertion)
+        ("checkpoint_around_reentrant", "aot_eager"),
+        # Inductor wrote a gradient into block 0's weights: wrong from the second step on.
+        pytest.param("checkpoint_around", "inductor", marks=pytest.mark.slow),
+    ],
+)
+def test_blocks_checkpointed_from_outside_keep_their_regions_and_match(model: str, backend: str) -> None:
+    """Note [Regions under checkpoint]: Hugging Face's gradient checkpointing, in small."""
+    results = run_ranks(workers.parity, 2, model, backend, timeout=900)
+    _check(results, TOL[backend])
+    assert all(r["regions_kept"] for r in results)
+
+
 def test_a_graph_break_inside_repeated_blocks_captures_again_without_regions() -> None:
     results = run_ranks(workers.parity, 2, "break_in_blocks", "eager")
     _check(results, TOL["eager"])
