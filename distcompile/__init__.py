@@ -16,6 +16,7 @@ from ._errors import (
     RecompileError,
     UnsupportedModelError,
     UnsupportedTorchError,
+    VerificationError,
 )
 from ._torch_compat import warn_if_untested as _warn_if_untested
 from ._wrap import unwrap, wrap
@@ -46,6 +47,7 @@ __all__ = [
     "StageResult",
     "UnsupportedModelError",
     "UnsupportedTorchError",
+    "VerificationError",
     "doctor",
     "explain",
     "latest_checkpoint",

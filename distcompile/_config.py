@@ -75,6 +75,18 @@ class Config:
         detect_nonfinite: After each step's all-reduce, check the gradients for NaN/Inf
             and raise :class:`distcompile.NonFiniteGradientError` naming the step, bucket
             and parameters (one reduction per bucket).
+        verify: Check the compiled model against eager DDP on the first training step
+            and on the first after each recompile (Note [First-step self-check] in
+            ``runtime/verify.py``): gradients within ``verify_tolerance``, parameters
+            untouched by backward, buffers and outputs alike, ranks in agreement; a
+            difference raises :class:`distcompile.VerificationError` naming the graph,
+            segment and parameter. A checked step holds a copy of the model and runs it
+            eagerly beside the compiled one (memory and time: see the Note); other steps
+            cost nothing. Inductor then draws random numbers from torch's generator
+            (``fallback_random``), as eager does, so that dropout masks are the same.
+        verify_tolerance: Largest gradient difference ``verify`` accepts, relative to the
+            parameter's largest eager gradient. ``None``: 1e-3, or 2e-2 when gradients
+            are rounded to 16 bits (half-precision parameters, autocast, compression).
         desync_timeout_s: Seconds to wait for every rank to publish its plan before
             raising :class:`distcompile.DesyncError`.
         logdir: Directory for telemetry: TensorBoard scalars, text and a timeline picture
@@ -104,6 +116,8 @@ class Config:
     recompile: str = "allow"
     check_params: bool = True
     detect_nonfinite: bool = False
+    verify: bool = False
+    verify_tolerance: float | None = None
     desync_timeout_s: float = 60.0
     logdir: str | os.PathLike | None = None
     trace_every: int = 10
@@ -149,6 +163,8 @@ class Config:
             )
         if self.recompile not in ("allow", "error"):
             raise ConfigError(f"recompile={self.recompile!r} must be 'allow' or 'error'.")
+        if self.verify_tolerance is not None and not self.verify_tolerance > 0:
+            raise ConfigError(f"verify_tolerance={self.verify_tolerance!r} must be > 0 (or None).")
         if not self.desync_timeout_s > 0:
             raise ConfigError(f"desync_timeout_s={self.desync_timeout_s!r} must be > 0 seconds.")
         for name in ("trace_every", "figure_every"):

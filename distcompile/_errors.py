@@ -16,6 +16,7 @@ __all__ = [
     "NonFiniteGradientError",
     "UnsupportedTorchError",
     "CompileError",
+    "VerificationError",
 ]
 
 
@@ -53,3 +54,7 @@ class UnsupportedTorchError(DistCompileError):
 
 class CompileError(DistCompileError):
     """Capturing, planning or compiling a graph failed inside torch; says where and what to try."""
+
+
+class VerificationError(DistCompileError):
+    """The compiled step differs from eager DDP's (``verify=True``): says where and by how much."""

@@ -104,10 +104,14 @@ def lookup_backend(name: str) -> Callable:
     return lookup(name)
 
 
-def inductor_compiler(*, mode: str | None, dynamic: bool | None, cudagraphs: bool) -> Callable:
-    """Inductor's compile function with ``mode``'s options and CUDA graphs as asked.
+def inductor_compiler(
+    *, mode: str | None, dynamic: bool | None, cudagraphs: bool, fallback_random: bool = False
+) -> Callable:
+    """Inductor's compile function with ``mode``'s options, CUDA graphs and random numbers as asked.
 
-    Checked: 2.11, 2.13, 2.15 (``list_mode_options``, ``compile_fx(config_patches=)``).
+    ``config_patches`` also apply to the backward, compiled lazily (``compile_fx`` wraps its
+    inner compile with them). Checked: 2.11, 2.13, 2.15 (``list_mode_options``,
+    ``compile_fx(config_patches=)``, ``fallback_random``).
 
     Example:
         >>> callable(inductor_compiler(mode=None, dynamic=None, cudagraphs=False))
@@ -119,6 +123,8 @@ def inductor_compiler(*, mode: str | None, dynamic: bool | None, cudagraphs: boo
     patches = dict(list_mode_options(mode, dynamic)) if mode else {}
     # The mode presets may switch CUDA graphs on (reduce-overhead); our option decides.
     patches["triton.cudagraphs"] = cudagraphs
+    if fallback_random:
+        patches["fallback_random"] = True
     return functools.partial(compile_fx, config_patches=patches)
 
 

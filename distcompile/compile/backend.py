@@ -186,7 +186,11 @@ class GraphCompiler:
             enabled=config.backend == "inductor" and compat.compile_caches_enabled(),
         )
         self._compiler = inner_compiler(
-            config.backend, mode=config.mode, cudagraphs=config.cudagraphs, dynamic=config.dynamic
+            config.backend,
+            mode=config.mode,
+            cudagraphs=config.cudagraphs,
+            dynamic=config.dynamic,
+            fallback_random=config.verify,  # Note [First-step self-check]: eager's random numbers
         )
 
     def guard_failed(self, reason: str) -> None:

@@ -29,8 +29,12 @@ log = logging.getLogger(__name__)
 CompilerFn = Callable[[fx.GraphModule, list], Callable]
 
 
-def inner_compiler(backend: str, *, mode: str | None, cudagraphs: bool, dynamic: bool | None) -> CompilerFn:
+def inner_compiler(
+    backend: str, *, mode: str | None, cudagraphs: bool, dynamic: bool | None, fallback_random: bool = False
+) -> CompilerFn:
     """Return the TorchDynamo compiler function that compiles one segment.
+
+    ``fallback_random``: Inductor draws random numbers from torch's generator, as eager does.
 
     Example:
         >>> fn = inner_compiler("aot_eager", mode=None, cudagraphs=False, dynamic=None)
@@ -39,7 +43,9 @@ def inner_compiler(backend: str, *, mode: str | None, cudagraphs: bool, dynamic:
     """
     if backend != "inductor":
         return compat.lookup_backend(backend)
-    return compat.inductor_compiler(mode=mode, dynamic=dynamic, cudagraphs=cudagraphs)
+    return compat.inductor_compiler(
+        mode=mode, dynamic=dynamic, cudagraphs=cudagraphs, fallback_random=fallback_random
+    )
 
 
 def _propagate_metadata(gm: fx.GraphModule, split_gm: fx.GraphModule) -> None:

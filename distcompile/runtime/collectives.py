@@ -7,7 +7,22 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["broadcast_coalesced"]
+__all__ = ["all_reduce_coalesced", "broadcast_coalesced"]
+
+
+def _flat_groups(tensors: Sequence[torch.Tensor]) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+    """``tensors`` grouped by dtype and device, each group with one flat copy of its values."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return [(members, torch.cat([t.detach().reshape(-1) for t in members])) for members in groups.values()]
+
+
+def _scatter_back(members: list[torch.Tensor], flat: torch.Tensor) -> None:
+    offset = 0
+    for t in members:
+        t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def broadcast_coalesced(
@@ -21,16 +36,21 @@ def broadcast_coalesced(
     Example:
         >>> # broadcast_coalesced(list(model.buffers()), src=0, group=None)
     """
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
     mine = dist.get_rank() == src
-    for members in groups.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in members])
+    for members, flat in _flat_groups(tensors):
         dist.broadcast(flat, src=src, group=group)
-        if mine:
-            continue
-        offset = 0
-        for t in members:
-            t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        if not mine:
+            _scatter_back(members, flat)
+
+
+def all_reduce_coalesced(
+    tensors: Sequence[torch.Tensor], *, group: dist.ProcessGroup | None, op: dist.ReduceOp = dist.ReduceOp.SUM
+) -> None:
+    """Reduce ``tensors`` in place across the group's ranks, one all-reduce per dtype and device.
+
+    Example:
+        >>> # all_reduce_coalesced([a, b], group=None, op=dist.ReduceOp.MAX)
+    """
+    for members, flat in _flat_groups(tensors):
+        dist.all_reduce(flat, op=op, group=group)
+        _scatter_back(members, flat)

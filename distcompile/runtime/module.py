@@ -23,6 +23,7 @@ from .collectives import broadcast_coalesced
 from .ddp import Settings
 from .nesting import WRAPPERS, outer_data_parallel
 from .reducer import BucketReducer, StepObserver, StepStats
+from .verify import StepCheck
 
 __all__ = ["DistCompiledModule", "Observer"]
 
@@ -113,6 +114,19 @@ class DistCompiledModule(nn.Module):
             store_prefix=self._store_prefix,
         )
         self._backend = GraphCompiler(target, registry=self._reducer, observer=observer)
+        self._check = (
+            StepCheck(
+                module,
+                params=params,
+                group=settings.group,
+                settle=self._reducer.finish_step,
+                where=self._where,
+                tolerance=config.verify_tolerance,
+                compressed=settings.compression is not None,
+            )
+            if config.verify
+            else None
+        )
         # dynamic=True: TorchDynamo (2.13, 2.15) fails region traces with every dimension dynamic.
         self._unmark = mark_repeated_blocks(module) if config.regions and config.dynamic is not True else None
         compiled = compat.compile_module(
@@ -154,8 +168,14 @@ class DistCompiledModule(nn.Module):
                 type(self.module).__name__,
                 self.config.backend,
             )
+        check = self._check if self._check is not None and self._check.pending else None
+        if check is not None and torch.is_grad_enabled():
+            check.arm(args, kwargs, sync=sync)  # Note [First-step self-check]
+        else:
+            check = None
+        graphs = len(self.graphs)
         try:
-            return self._call_compiled(args, kwargs)
+            out = self._call_compiled(args, kwargs)
         except Exception as exc:
             # Peers blocked in an all-reduce with this rank can then name it.
             mark_failed(default_store(), self._store_prefix, self._rank, f"{type(exc).__name__}: {exc}")
@@ -165,6 +185,11 @@ class DistCompiledModule(nn.Module):
             if isinstance(inner, DistCompileError):
                 raise inner from inner.__cause__
             raise
+        if check is not None:
+            out = check.attach(out)
+        elif self._check is not None and len(self.graphs) > graphs:
+            self._check.pending = True  # a recompile: check the next training step
+        return out
 
     def _call_compiled(self, args: tuple, kwargs: dict) -> object:
         ran = self._reducer.graphs_run
@@ -181,6 +206,15 @@ class DistCompiledModule(nn.Module):
             )
             self._drop_regions()
             return self._compiled(*args, **kwargs)
+
+    def _where(self, name: str) -> str:
+        """The graph and segment whose backward produces parameter ``name``'s gradient."""
+        for record in self.graphs:
+            for bucket in record.plan.buckets:
+                if name in bucket.params:
+                    start, stop = record.plan.segments[bucket.segment]
+                    return f"graph {record.graph_id}, segment {bucket.segment} (nodes {start}-{stop - 1})"
+        return "no captured graph: eager code"
 
     def _drop_regions(self) -> None:
         """Give the repeated blocks their own classes back, once (Note [Nested compile regions])."""

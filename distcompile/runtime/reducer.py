@@ -281,6 +281,10 @@ class BucketReducer:
             f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}. {self.describe_peers()}"
         )
 
+    def finish_step(self) -> None:
+        """End the open step now, inside ``backward()``: launch and wait for every bucket (idempotent)."""
+        self._finish_step()
+
     def _finish_step(self) -> None:
         step = self._step
         self._step = None

@@ -1,0 +1,358 @@
+"""Note [First-step self-check]: ``wrap(..., verify=True)``.
+
+Background
+    A compiled step can be wrong without any error: a torch bug that writes a gradient into
+    a parameter during backward (Note [Regions under checkpoint]) trained Hugging Face BERT
+    and GPT-2 silently apart from eager DDP. Comparing with eager DDP is what every parity
+    test does; this does it inside training, for a model nobody tested.
+
+Algorithm
+    * A step is checked when it is the first training forward, or the first after a call
+      that compiled a graph (a recompile) without being checked itself.
+    * Before the compiled forward, the wrapped module is deep-copied (its parameters and
+      buffers as they are) and the copy runs the same inputs eagerly, in the same autocast
+      and grad context; the random number state is then put back, so that the compiled
+      forward draws the same numbers (Inductor compiles with ``fallback_random`` under
+      ``verify``: eager's generator, eager's dropout masks).
+    * Each output of the compiled forward that requires grad gets a hook that records the
+      gradient arriving into it; the first queues an engine callback, which runs when
+      ``backward()`` ends. It lets the reducer finish first (gradients averaged), then:
+      the copy's gradients are computed from the recorded output gradients
+      (``torch.autograd.grad``: no ``.grad`` is touched, no hook runs) and averaged across
+      the ranks as eager DDP would (with the gradients accumulated before the step, under
+      ``no_sync`` not averaged), and compared with each ``param.grad``; the parameters must
+      equal the copy's bit for bit (backward wrote none), the buffers and outputs must match
+      the copy's after its forward; checksums of parameters and gradients must be equal on
+      every rank. Every rank takes part in the same collectives whatever it finds, and the
+      verdict is shared, so all ranks raise together.
+    * Gradients match when ``max|compiled - eager| <= tolerance * scale``, ``scale`` being
+      the parameter's largest eager gradient, but at least 1% of the median of those
+      maxima over the model (a gradient that is zero in theory, such as a key bias under
+      softmax, is rounding noise in both).
+
+Cost
+    Unchecked steps: one ``if``. A checked step holds one more copy of the parameters and
+    buffers, the eager forward's activations beside the compiled ones until ``backward()``
+    ends, and one more set of gradients; it runs the model eagerly once more (forward and
+    backward) plus a few collectives. Measured on the example GPT (4 layers, d=256, 13.8M
+    parameters, batch 8 x 128, 2 gloo ranks, Inductor, CPU): see ``docs/debugging.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import statistics
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import _torch_compat as compat
+from .._errors import VerificationError
+from .checkpoint import rng_state, set_rng_state
+from .collectives import all_reduce_coalesced
+
+__all__ = ["StepCheck"]
+
+log = logging.getLogger(__name__)
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class _Armed:
+    """One checked step: the eager copy, its outputs, and what the compiled side produced."""
+
+    ref_params: dict[str, torch.Tensor]
+    ref_buffers: dict[str, torch.Tensor]
+    ref_out: object
+    sync: bool
+    low_precision: bool
+    grads_before: dict[str, torch.Tensor]
+    out: list[torch.Tensor | None] = field(default_factory=list)
+    grads_in: dict[int, torch.Tensor] = field(default_factory=dict)
+    queued: bool = False
+
+
+def _autocast_on() -> bool:
+    return any(
+        torch.is_autocast_enabled(d) for d in ("cpu", "cuda") if d != "cuda" or torch.cuda.is_available()
+    )
+
+
+def _max_abs(t: torch.Tensor) -> float:
+    return float(t.detach().abs().max()) if t.numel() else 0.0
+
+
+def _checksums(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    rows = [
+        torch.zeros(2, dtype=torch.float64, device=device)
+        if t is None
+        else torch.stack([t.detach().double().sum(), t.detach().double().square().sum()]).to(device)
+        for t in tensors
+    ]
+    return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64, device=device)
+
+
+class _Tap(torch.autograd.Function):
+    """Identity (a copy) whose backward hands the incoming gradient to ``record``."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, record: Callable[[torch.Tensor | None], None]) -> torch.Tensor:
+        ctx.record = record  # type: ignore[attr-defined]
+        return x.clone()  # a view would refuse the caller's in-place use
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.record(grad)  # type: ignore[attr-defined]
+        return grad, None
+
+
+class StepCheck:
+    """Checks checked steps of one wrapped model against eager DDP (Note [First-step self-check]).
+
+    Example:
+        >>> # created by DistCompiledModule when wrap(..., verify=True)
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        params: Mapping[str, nn.Parameter],
+        group: dist.ProcessGroup | None,
+        settle: Callable[[], None],
+        where: Callable[[str], str],
+        tolerance: float | None,
+        compressed: bool,
+    ) -> None:
+        self.module = module
+        self.params = dict(params)
+        self.group = group
+        self.settle = settle
+        self.where = where
+        self.tolerance = tolerance
+        self.compressed = compressed
+        self.pending = True
+        self.checked = 0
+        self._armed: _Armed | None = None
+
+    # -- forward side ---------------------------------------------------------------------
+    def arm(self, args: tuple, kwargs: dict, *, sync: bool) -> None:
+        """Before the compiled forward: run the module eagerly on copies of its parameters and buffers.
+
+        The module itself runs, its tensors swapped for the copies (``functional_call``), so a
+        forward patched to close over the module (as Accelerate's is) runs on the copies too.
+        """
+        rng = rng_state()
+        params = {
+            n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.module.named_parameters()
+        }
+        buffers = {n: b.detach().clone() for n, b in self.module.named_buffers()}
+        tensors = {**params, **buffers}
+        ref_out = torch.func.functional_call(
+            self.module, tensors, args, kwargs, tie_weights=True, strict=False
+        )
+        set_rng_state(rng)  # the compiled forward draws the same random numbers
+        low = self.compressed or _autocast_on() or any(p.dtype in _HALF for p in self.params.values())
+        before = {n: p.grad.detach().clone() for n, p in self.params.items() if p.grad is not None}
+        self._armed = _Armed(params, buffers, ref_out, sync, low, before)
+
+    def attach(self, out: object) -> object:
+        """After the compiled forward: ``out`` with a tap on each output that requires grad.
+
+        A tap records the gradient that reaches the output from outside the model; a hook on
+        the output itself would also see what flows from the model's own later use of it
+        (Hugging Face computes the loss from the logits it returns).
+        """
+        armed = self._armed
+        if armed is None:
+            return out
+        index = iter(range(len(compat.tree_leaves(out))))
+
+        def tap(t: object) -> object:
+            i = next(index)
+            tensor = isinstance(t, torch.Tensor)
+            armed.out.append(t.detach() if tensor else None)
+            if not (tensor and t.requires_grad):
+                return t
+            return _Tap.apply(t, functools.partial(self._record, armed, i))
+
+        return compat.tree_map_only(object, tap, out)
+
+    def _record(self, armed: _Armed, index: int, grad: torch.Tensor | None) -> None:
+        if grad is not None:  # None: the output got no gradient (as if zero)
+            armed.grads_in[index] = grad.detach()
+        if not armed.queued:
+            armed.queued = True
+            compat.queue_engine_callback(functools.partial(self._finish, armed))
+
+    # -- backward side --------------------------------------------------------------------
+    def _finish(self, armed: _Armed) -> None:
+        if self._armed is armed:
+            self._armed = None
+        self.settle()  # the reducer's own end of step: gradients averaged into param.grad
+        findings = self._compare(armed)
+        flags = torch.zeros(dist.get_world_size(self.group), device=self._device())
+        flags[dist.get_rank(self.group)] = float(bool(findings))
+        dist.all_reduce(flags, group=self.group)
+        self.pending = False
+        self.checked += 1
+        bad = [r for r, f in enumerate(flags.tolist()) if f]
+        if not bad:
+            log.info("verify: step %d matches eager DDP (tolerance %.0e)", self.checked - 1, self._tol(armed))
+            return
+        shown = findings[:12] + ([f"... and {len(findings) - 12} more"] if len(findings) > 12 else [])
+        mine = "\n  ".join(shown) if findings else "nothing on this rank"
+        raise VerificationError(
+            f"verify=True: the compiled step differs from eager DDP on rank(s) {bad} (relative tolerance "
+            f"{self._tol(armed):.0e}). This rank found:\n  {mine}\nThe compiled model is wrong for these "
+            "inputs. Walk the debugging ladder (wrap(..., backend='aot_eager'), then 'eager'; "
+            "distcompile.doctor runs it) and try regions=False; a difference of rounding under 16-bit "
+            "precision may need a larger verify_tolerance."
+        )
+
+    def _device(self) -> torch.device:
+        first = next(iter(self.params.values()), None)
+        if dist.get_backend(self.group) == "nccl":
+            return first.device if first is not None and first.is_cuda else torch.device("cuda")
+        return torch.device("cpu")
+
+    def _tol(self, armed: _Armed) -> float:
+        if self.tolerance is not None:
+            return self.tolerance
+        return 2e-2 if armed.low_precision else 1e-3
+
+    def _compare(self, armed: _Armed) -> list[str]:
+        ref_params = armed.ref_params
+        findings = [
+            f"parameter {n} ({self.where(n)}) was changed during the step's forward or backward "
+            f"(max |change| {_max_abs(p.detach() - ref_params[n].detach()):.3g})"
+            for n, p in self.params.items()
+            if n in ref_params and not torch.equal(p.detach(), ref_params[n].detach())
+        ]
+        findings += self._compare_buffers(armed)
+        findings += self._compare_outputs(armed)
+        expected = self._expected_grads(armed, ref_params)  # collectives: on every rank
+        findings += self._compare_grads(armed, expected)
+        findings += self._compare_ranks(ref_params)  # collectives: on every rank
+        return findings
+
+    def _compare_buffers(self, armed: _Armed) -> list[str]:
+        ours = dict(self.module.named_buffers())
+        out = []
+        for n, ref in armed.ref_buffers.items():
+            b = ours.get(n)
+            if b is None or b.shape != ref.shape:
+                continue
+            if not b.is_floating_point():
+                if not torch.equal(b, ref):
+                    out.append(f"buffer {n} differs from eager's after the forward")
+                continue
+            diff, scale = _max_abs(b.float() - ref.float()), max(_max_abs(ref), 1e-6)
+            if diff > self._tol(armed) * scale:
+                out.append(
+                    f"buffer {n} differs from eager's after the forward by {diff:.3g} (scale {scale:.3g})"
+                )
+        return out
+
+    def _compare_outputs(self, armed: _Armed) -> list[str]:
+        ref = compat.tree_leaves(armed.ref_out)
+        if len(ref) != len(armed.out):
+            return [f"the forward returned {len(armed.out)} values, eager {len(ref)}"]
+        out = []
+        for i, (a, b) in enumerate(zip(armed.out, ref)):
+            if a is None or not isinstance(b, torch.Tensor) or a.shape != b.shape:
+                continue
+            diff, scale = _max_abs(a.float() - b.detach().float()), max(_max_abs(b), 1e-6)
+            if a.is_floating_point() and diff > self._tol(armed) * scale:
+                out.append(
+                    f"output {i} of the forward differs from eager's by {diff:.3g} (scale {scale:.3g})"
+                )
+        return out
+
+    def _expected_grads(
+        self, armed: _Armed, ref_params: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor | None]:
+        """Eager DDP's ``param.grad`` after this step, per parameter (``None``: no gradient)."""
+        names = [n for n in self.params if n in ref_params]
+        ref_leaves = compat.tree_leaves(armed.ref_out)
+        outs, grads = [], []
+        for i, g in armed.grads_in.items():
+            leaf = ref_leaves[i] if i < len(ref_leaves) else None
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.shape == g.shape:
+                outs.append(leaf)
+                grads.append(g)
+        local = (
+            torch.autograd.grad(outs, [ref_params[n] for n in names], grads, allow_unused=True)
+            if outs
+            else (None,) * len(names)
+        )
+        produced = torch.tensor([float(g is not None) for g in local], device=self._device())
+        sums = []
+        for n, g in zip(names, local):
+            before = armed.grads_before.get(n)
+            total = torch.zeros_like(self.params[n]) if g is None else g.detach().to(self.params[n].dtype)
+            sums.append(total + before if before is not None else total)
+        if not armed.sync:
+            return {
+                n: (s if (g is not None or n in armed.grads_before) else None)
+                for n, g, s in zip(names, local, sums)
+            }
+        world = dist.get_world_size(self.group)
+        all_reduce_coalesced([*sums, produced], group=self.group)
+        expected: dict[str, torch.Tensor | None] = {}
+        for n, s, made in zip(names, sums, produced.tolist()):
+            if made:
+                expected[n] = s / world
+            else:  # no rank produced one: DDP leaves .grad as it was
+                expected[n] = armed.grads_before.get(n)
+        return expected
+
+    def _compare_grads(self, armed: _Armed, expected: dict[str, torch.Tensor | None]) -> list[str]:
+        maxima = [_max_abs(g) for g in expected.values() if g is not None]
+        floor = 0.01 * statistics.median([m for m in maxima if m > 0] or [0.0]) or math.ulp(1.0)
+        out = []
+        for n, want in expected.items():
+            got = self.params[n].grad
+            if (want is None) != (got is None):
+                state = "has none" if got is None else "has one"
+                out.append(
+                    f"parameter {n} ({self.where(n)}): eager DDP {'has no' if want is None else 'has a'} gradient, the compiled step {state}"
+                )
+                continue
+            if want is None or got is None:
+                continue
+            diff = _max_abs(got.float() - want.float())
+            scale = max(_max_abs(want), floor)
+            if not diff <= self._tol(armed) * scale:
+                out.append(
+                    f"gradient of {n} ({self.where(n)}) differs from eager DDP's by {diff:.3g} "
+                    f"({diff / scale:.2g} of its scale {scale:.3g})"
+                )
+        return out
+
+    def _compare_ranks(self, ref_params: dict[str, torch.Tensor]) -> list[str]:
+        names = list(self.params)
+        device = self._device()
+        rows = _checksums([ref_params[n] if n in ref_params else None for n in names], device)
+        rows = torch.cat([rows, _checksums([self.params[n].grad for n in names], device)])
+        high, low = rows.clone(), rows.clone()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.group)
+        differ = (high != low).any(dim=1).tolist()
+        out = [
+            f"parameter {n} differs between ranks at the start of the step"
+            for n, d in zip(names, differ)
+            if d
+        ]
+        out += [
+            f"gradient of {n} differs between ranks after the all-reduce"
+            for n, d in zip(names, differ[len(names) :])
+            if d
+        ]
+        return out[:20]
