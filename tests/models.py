@@ -519,3 +519,20 @@ class RaisesOnce(nn.Module):
         for layer in self.layers:
             h = layer(h)
         return h
+
+
+class _ScaleWhenCompiled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return grad * 1.5 if torch.compiler.is_compiling() else grad
+
+
+class GradWrongWhenCompiled(_TwoLayer):
+    """Same forward everywhere; the compiled backward scales the first layer's gradients by 1.5."""
+
+    def mid(self, h: torch.Tensor) -> torch.Tensor:
+        return _ScaleWhenCompiled.apply(h)

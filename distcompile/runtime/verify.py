@@ -239,7 +239,7 @@ class StepCheck:
         findings += self._compare_outputs(armed)
         expected = self._expected_grads(armed, ref_params)  # collectives: on every rank
         findings += self._compare_grads(armed, expected)
-        findings += self._compare_ranks(ref_params)  # collectives: on every rank
+        findings += self._compare_ranks(ref_params, grads=armed.sync)  # collectives: on every rank
         return findings
 
     def _compare_buffers(self, armed: _Armed) -> list[str]:
@@ -336,11 +336,13 @@ class StepCheck:
                 )
         return out
 
-    def _compare_ranks(self, ref_params: dict[str, torch.Tensor]) -> list[str]:
+    def _compare_ranks(self, ref_params: dict[str, torch.Tensor], *, grads: bool) -> list[str]:
+        """Parameters at the start of the step, and (after an all-reduce) gradients, equal on every rank."""
         names = list(self.params)
         device = self._device()
         rows = _checksums([ref_params[n] if n in ref_params else None for n in names], device)
-        rows = torch.cat([rows, _checksums([self.params[n].grad for n in names], device)])
+        if grads:  # under no_sync each rank keeps its own gradients
+            rows = torch.cat([rows, _checksums([self.params[n].grad for n in names], device)])
         high, low = rows.clone(), rows.clone()
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.group)
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.group)

@@ -1,0 +1,51 @@
+"""wrap(..., verify=True): the first step and the first after a recompile are checked against eager DDP.
+
+Note [First-step self-check]. Each test runs real gloo ranks with real compilation; the
+injected faults are those the check exists for: a backward that writes into a parameter
+(the checkpoint-under-regions bug, on one rank only) and a compiled backward whose
+gradients differ from eager's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import verify_workers
+from tests.harness import run_ranks
+
+
+@pytest.mark.parametrize(("model", "backend"), [("gpt", "aot_eager"), ("convbn", "eager")])
+def test_a_right_model_passes_and_is_checked_once(model: str, backend: str) -> None:
+    for res in run_ranks(verify_workers.verify_run, 2, model, backend):
+        assert res["error"] is None and res["checked"] == 1, res
+
+
+def test_the_first_step_after_each_recompile_is_checked_too() -> None:
+    # Lengths 16, 9, 12, 16, 9 with dynamic=False, one graph each: step 0 is checked; step 1
+    # compiles unchecked, so step 2 is checked (it compiles the third graph itself); steps 3
+    # and 4 compile nothing and are not checked.
+    for res in run_ranks(verify_workers.verify_run, 2, "gpt", "aot_eager", "lengths", 5):
+        assert res["error"] is None, res
+        assert res["graphs"] == 3 and res["checked"] == 2, res
+
+
+def test_accumulated_gradients_under_no_sync_are_checked() -> None:
+    for res in run_ranks(verify_workers.verify_run, 2, "mlp_seq", "aot_eager", "no_sync"):
+        assert res["error"] is None and res["checked"] == 1, res
+
+
+def test_a_parameter_written_during_backward_on_one_rank_stops_every_rank() -> None:
+    results = run_ranks(verify_workers.verify_run, 2, "mlp_seq", "eager", "param")
+    for res in results:
+        assert res["error"] is not None and res["step"] == 0, res
+        assert "on rank(s) [1]" in res["error"], res["error"]
+    assert "parameter 0.0.weight (graph 0, segment" in results[1]["error"]
+    assert "was changed during the step's forward or backward" in results[1]["error"]
+    assert "nothing on this rank" in results[0]["error"]
+
+
+def test_a_wrong_compiled_gradient_is_named() -> None:
+    for res in run_ranks(verify_workers.verify_run, 2, "mlp_seq", "aot_eager", "grad"):
+        assert res["error"] is not None and res["step"] == 0, res
+        assert "gradient of a.weight (graph 0, segment" in res["error"], res["error"]
+        assert "gradient of b.weight" not in res["error"], res["error"]  # after the scaled op: right
