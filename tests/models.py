@@ -536,3 +536,6 @@ class GradWrongWhenCompiled(_TwoLayer):
 
     def mid(self, h: torch.Tensor) -> torch.Tensor:
         return _ScaleWhenCompiled.apply(h)
+
+
+BUILDERS["grad_wrong"] = GradWrongWhenCompiled

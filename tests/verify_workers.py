@@ -46,3 +46,57 @@ def verify_run(
     except distcompile.VerificationError as exc:
         return {"error": str(exc), "step": step, "checked": model._check.checked}
     return {"error": None, "checked": model._check.checked, "graphs": len(model.graphs)}
+
+
+def _regions_inlined_at_top_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """What inlining did before Note [Regions under checkpoint]: region calls inside a
+    checkpoint body were left for AOTAutograd, where torch 2.13 mishandles them."""
+    from distcompile.capture import regions
+
+    regions._inline_here(gm, {})
+    return gm
+
+
+def doctor_run(rank: int, world: int, model_name: str, stages: tuple, fault: str = "") -> dict:
+    """distcompile.doctor on ``model_name``; ``fault="regions_under_checkpoint"`` brings back the
+    torch bug distcompile works around, as a bug nobody has seen yet would look."""
+    if fault == "regions_under_checkpoint":
+        import distcompile.compile.backend as backend
+
+        backend.inline_regions = _regions_inlined_at_top_only
+    torch.manual_seed(0)
+    model = DDP(BUILDERS[model_name]())
+    x, y = batch(model_name, rank, 0)
+    report = distcompile.doctor(
+        model, x, loss_fn=lambda out: loss_fn(model_name, out, y), stages=stages, timeout_s=60
+    )
+    return {
+        "text": str(report),
+        "first_bad": report.first_bad_stage,
+        "agree": report.ranks_agree,
+        "status": {s: [r.status for r in rs] for s, rs in report.results.items()},
+        "summaries": {s: [r.summary for r in rs] for s, rs in report.results.items()},
+    }
+
+
+def backward_compile_fails(rank: int, world: int) -> str:
+    """Inductor fails on every backward graph: the error reaches backward() as distcompile's own."""
+    import torch._inductor.compile_fx as compile_fx
+
+    torch._inductor.config.force_disable_caches = True  # nothing loaded: each backward is compiled lazily
+    real = compile_fx.compile_fx_inner
+
+    def failing(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: object) -> object:
+        if kwargs.get("is_backward"):
+            raise AssertionError("an internal check failed")  # as a torch bug would
+        return real(gm, example_inputs, **kwargs)
+
+    compile_fx.compile_fx_inner = failing
+    model = distcompile.wrap(DDP(BUILDERS["mlp_seq"]()), backend="inductor")
+    x, y = batch("mlp_seq", rank, 0)
+    loss = loss_fn("mlp_seq", model(x), y)  # the forward compiles fine
+    try:
+        loss.backward()
+    except distcompile.CompileError as exc:
+        return str(exc)
+    return "no error"

@@ -281,21 +281,6 @@ def fullgraph_break(rank: int, world: int) -> str:
     return "no error"
 
 
-def doctor_run(rank: int, world: int, model_name: str, stages: tuple) -> dict:
-    torch.manual_seed(0)
-    model = DDP(BUILDERS[model_name]())
-    x, y = batch(model_name, rank, 0)
-    report = distcompile.doctor(
-        model, x, loss_fn=lambda out: loss_fn(model_name, out, y), stages=stages, timeout_s=60
-    )
-    return {
-        "text": str(report),
-        "first_bad": report.first_bad_stage,
-        "agree": report.ranks_agree,
-        "status": {s: [r.status for r in rs] for s, rs in report.results.items()},
-    }
-
-
 def peer_failure(rank: int, world: int, how: str) -> str | None:
     """Rank 1 fails at step 2 (raises in forward, or is SIGKILLed); rank 0 must get a clear error fast."""
     import os

@@ -105,27 +105,44 @@ def lookup_backend(name: str) -> Callable:
 
 
 def inductor_compiler(
-    *, mode: str | None, dynamic: bool | None, cudagraphs: bool, fallback_random: bool = False
+    *,
+    mode: str | None,
+    dynamic: bool | None,
+    cudagraphs: bool,
+    fallback_random: bool = False,
+    on_backward_error: Callable[[Exception], Exception] | None = None,
 ) -> Callable:
     """Inductor's compile function with ``mode``'s options, CUDA graphs and random numbers as asked.
 
     ``config_patches`` also apply to the backward, compiled lazily (``compile_fx`` wraps its
-    inner compile with them). Checked: 2.11, 2.13, 2.15 (``list_mode_options``,
-    ``compile_fx(config_patches=)``, ``fallback_random``).
+    inner compile with them); ``on_backward_error`` turns a failure to compile a backward
+    into the exception it returns. Checked: 2.11, 2.13, 2.15 (``list_mode_options``,
+    ``compile_fx(inner_compile=, config_patches=)``, ``fallback_random``); the backward's
+    patches and ``is_backward``: 2.13.
 
     Example:
         >>> callable(inductor_compiler(mode=None, dynamic=None, cudagraphs=False))
         True
     """
     from torch._inductor import list_mode_options
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        # A backward is compiled lazily, inside the user's backward(): a failure there would
+        # reach the user with no frame of ours. ``is_backward``: Inductor's own flag.
+        try:
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+        except Exception as exc:
+            if on_backward_error is None or not kwargs.get("is_backward"):
+                raise
+            raise on_backward_error(exc) from exc
 
     patches = dict(list_mode_options(mode, dynamic)) if mode else {}
     # The mode presets may switch CUDA graphs on (reduce-overhead); our option decides.
     patches["triton.cudagraphs"] = cudagraphs
     if fallback_random:
         patches["fallback_random"] = True
-    return functools.partial(compile_fx, config_patches=patches)
+    return functools.partial(compile_fx, inner_compile=inner_compile, config_patches=patches)
 
 
 def inductor_modes() -> frozenset[str]:

@@ -46,7 +46,13 @@ from collections.abc import Callable
 import torch
 from torch import fx, nn
 
-__all__ = ["RegionNotInlined", "inline_regions", "mark_repeated_blocks", "region_failure_reason"]
+__all__ = [
+    "RegionNotInlined",
+    "has_repeated_blocks",
+    "inline_regions",
+    "mark_repeated_blocks",
+    "region_failure_reason",
+]
 
 
 class RegionNotInlined(RuntimeError):
@@ -68,6 +74,16 @@ def _repeated_blocks(module: nn.Module) -> list[list[nn.Module]]:
                 by_class.setdefault(cls, []).append(child)
         groups.extend(g for g in by_class.values() if len(g) > 1)
     return groups
+
+
+def has_repeated_blocks(module: nn.Module) -> bool:
+    """Whether ``mark_repeated_blocks`` would mark anything in ``module`` (``regions`` matters).
+
+    Example:
+        >>> has_repeated_blocks(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+        False
+    """
+    return bool(_repeated_blocks(module))
 
 
 def _as(cls: type) -> Callable:

@@ -36,6 +36,7 @@ from ..capture.guards import condense_guard_failures, recompile_note
 from ..capture.regions import inline_regions
 from ..planning.costs import CostModel
 from ..planning.plan import GraphCosts, Plan, plan_graph
+from .failures import compile_failure
 from .segments import inner_compiler, split_and_compile
 from .sharing import CompileSharing
 
@@ -109,19 +110,6 @@ class GraphRecord:
         return "; ".join(self.recompile_reasons) or None
 
 
-def _ladder_hint(backend: str) -> str:
-    lower = {"inductor": "aot_eager", "aot_eager": "eager"}.get(backend)
-    if lower is None:
-        return (
-            "backend='eager' only captures the graph, so the failure is in TorchDynamo's capture or in "
-            "splitting it: check the model under plain torch.compile(model, backend='eager')."
-        )
-    return (
-        f"Try the next step down the debugging ladder, wrap(..., backend={lower!r}): if that works, the "
-        f"problem is in the {backend} stage (distcompile.doctor walks the whole ladder)."
-    )
-
-
 def _recording(compiled: Callable, registry: BucketRegistry, graph_id: int) -> Callable:
     # TorchDynamo calls a backend's result with positional tensors (never boxed).
     def run(*args: object) -> object:
@@ -191,7 +179,13 @@ class GraphCompiler:
             cudagraphs=config.cudagraphs,
             dynamic=config.dynamic,
             fallback_random=config.verify,  # Note [First-step self-check]: eager's random numbers
+            on_backward_error=self._backward_error,
         )
+
+    def _backward_error(self, exc: Exception) -> CompileError:
+        """A backward Inductor failed to compile at its first run, inside the user's ``backward()``."""
+        doing = "compiling the backward of a piece of this model (at its first backward)"
+        return compile_failure(self.target.rank, doing, "inductor", exc)
 
     def guard_failed(self, reason: str) -> None:
         """TorchDynamo's ``guard_fail_fn``: one failed guard of this model's cached code."""
@@ -231,13 +225,10 @@ class GraphCompiler:
         except (DistCompileError, *compat.dynamo_control_flow()):
             raise
         except Exception as exc:
-            cfg = self.target.config
-            raise CompileError(
-                f"rank {self.target.rank}: {self._doing} of graph {graph_id} ({len(gm.graph.nodes)} FX nodes, "
-                f"backend={cfg.backend!r}) failed inside torch {torch.__version__}: "
-                f"{type(exc).__name__}: {' '.join(str(exc).split())[:800].rstrip('.')}. "
-                f"{_ladder_hint(cfg.backend)} The torch traceback is chained below; "
-                "distcompile.explain(model, *inputs) shows the graphs and segments."
+            doing = f"{self._doing} of graph {graph_id} ({len(gm.graph.nodes)} FX nodes)"
+            explain = "distcompile.explain(model, *inputs) shows the graphs and segments"
+            raise compile_failure(
+                self.target.rank, doing, self.target.config.backend, exc, extra=explain
             ) from exc
         return _recording(compiled, self.registry, graph_id)
 

@@ -30,11 +30,18 @@ CompilerFn = Callable[[fx.GraphModule, list], Callable]
 
 
 def inner_compiler(
-    backend: str, *, mode: str | None, cudagraphs: bool, dynamic: bool | None, fallback_random: bool = False
+    backend: str,
+    *,
+    mode: str | None,
+    cudagraphs: bool,
+    dynamic: bool | None,
+    fallback_random: bool = False,
+    on_backward_error: Callable[[Exception], Exception] | None = None,
 ) -> CompilerFn:
     """Return the TorchDynamo compiler function that compiles one segment.
 
     ``fallback_random``: Inductor draws random numbers from torch's generator, as eager does.
+    ``on_backward_error``: what a failure to compile a backward (lazily, in ``backward()``) becomes.
 
     Example:
         >>> fn = inner_compiler("aot_eager", mode=None, cudagraphs=False, dynamic=None)
@@ -44,7 +51,11 @@ def inner_compiler(
     if backend != "inductor":
         return compat.lookup_backend(backend)
     return compat.inductor_compiler(
-        mode=mode, dynamic=dynamic, cudagraphs=cudagraphs, fallback_random=fallback_random
+        mode=mode,
+        dynamic=dynamic,
+        cudagraphs=cudagraphs,
+        fallback_random=fallback_random,
+        on_backward_error=on_backward_error,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import distcompile
-from tests import workers
+from tests import verify_workers, workers
 from tests.harness import run_ranks
 from tests.models import BUILDERS, CompilerDisable, GraphBreak, gpt
 
@@ -39,24 +39,59 @@ def test_explain_leaves_the_model_untouched() -> None:
 
 
 def test_doctor_all_stages_pass_on_graph_break_model() -> None:
-    results = run_ranks(workers.doctor_run, 2, "graph_break", ("eager", "aot_eager", "inductor"), timeout=600)
+    results = run_ranks(
+        verify_workers.doctor_run, 2, "graph_break", ("eager", "aot_eager", "inductor"), timeout=600
+    )
     for res in results:
         assert res["first_bad"] is None, res["text"]
         assert res["agree"] and res["status"]["inductor"] == ["ok", "ok"], res["text"]
 
 
 def test_doctor_names_first_diverging_stage() -> None:
-    for res in run_ranks(workers.doctor_run, 2, "diverges", ("eager", "aot_eager")):
-        assert res["first_bad"] == "eager" and res["status"] == {"eager": ["diverged", "diverged"]}, res[
-            "text"
-        ]
+    for res in run_ranks(verify_workers.doctor_run, 2, "diverges", ("eager", "aot_eager")):
+        assert res["first_bad"] == "eager", res["text"]
+        # Every stage runs, whatever an earlier one did.
+        assert res["status"] == {"eager": ["diverged", "diverged"], "aot_eager": ["diverged", "diverged"]}
         assert "first failing stage: eager" in res["text"]
 
 
 def test_doctor_reports_a_crash_with_the_exception() -> None:
-    for res in run_ranks(workers.doctor_run, 2, "crashes", ("eager", "aot_eager")):
+    for res in run_ranks(verify_workers.doctor_run, 2, "crashes", ("eager", "aot_eager")):
         assert res["first_bad"] == "eager" and res["status"]["eager"] == ["crashed", "crashed"], res["text"]
+        assert res["status"]["aot_eager"] == ["crashed", "crashed"], res["text"]
         assert "rank 0 error:" in res["text"] and "Error" in res["text"], res["text"]
+
+
+def test_doctor_runs_every_stage_past_a_crash_and_finds_a_corrupting_backward() -> None:
+    """The torch bug of Note [Regions under checkpoint], brought back as an unknown bug would be:
+    the eager stage crashes in backward, aot_eager matches, Inductor's backward overwrites a
+    weight. Each stage is reported for what it did, and regions=False is found to fix both."""
+    for res in run_ranks(
+        verify_workers.doctor_run,
+        2,
+        "checkpoint_around",
+        ("eager", "aot_eager", "inductor"),
+        "regions_under_checkpoint",
+        timeout=900,
+    ):
+        status, text = res["status"], res["text"]
+        assert status["eager"] == ["crashed", "crashed"] and status["aot_eager"] == ["ok", "ok"], text
+        assert status["inductor"] == ["diverged", "diverged"], text
+        assert status["eager, regions=False"] == status["inductor, regions=False"] == ["ok", "ok"], text
+        assert "aot_eager, regions=False" not in status  # only failing stages are tried again
+        assert "fake_mode should be enabled for HOPs" in res["summaries"]["eager"][0], text
+        assert "parameter blocks.0.b.weight (graph 0, segment" in res["summaries"]["inductor"][0], text
+        assert res["first_bad"] == "eager" and res["agree"], text
+        assert (
+            "train with wrap(..., regions=False)" in text and "stages that match eager DDP: aot_eager" in text
+        )
+
+
+def test_doctor_finds_parameters_that_drift_after_the_first_step() -> None:
+    """A wrong gradient is in the parameters after the optimizer steps, not only in one step's gradients."""
+    for res in run_ranks(verify_workers.doctor_run, 2, "grad_wrong", ("aot_eager",)):
+        assert res["status"] == {"aot_eager": ["diverged", "diverged"]}, res["text"]
+        assert "gradient of a.weight" in res["summaries"]["aot_eager"][0], res["text"]
 
 
 def test_explain_on_one_rank_mid_training_does_not_recompile() -> None:

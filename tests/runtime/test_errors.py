@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from tests import workers
+import pytest
+
+from tests import verify_workers, workers
 from tests.harness import run_ranks
 
 
@@ -67,3 +69,13 @@ def test_nonfinite_gradients_stop_every_rank() -> None:
 def test_destroyed_process_group() -> None:
     for msg in run_ranks(workers.dead_group, 2):
         assert "process group is no longer usable" in msg, msg
+
+
+@pytest.mark.long  # a cold Inductor compile of its own (about 35 s on 2 cores)
+def test_a_backward_inductor_cannot_compile_raises_a_compile_error_in_backward() -> None:
+    """Inductor compiles each backward lazily, inside the user's backward(): its failure must
+    still come as distcompile's CompileError with the next step down the ladder."""
+    for msg in run_ranks(verify_workers.backward_compile_fails, 2, timeout=300):
+        assert msg.startswith("rank ") and "compiling the backward of a piece" in msg, msg
+        assert "AssertionError: an internal check failed" in msg, msg
+        assert "backend='aot_eager'" in msg, msg
