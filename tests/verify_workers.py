@@ -20,6 +20,7 @@ def verify_run(
     """Train ``steps`` steps with verify=True; return what was checked or the error's text.
 
     ``inject``: ``"param"`` (a hook overwrites a parameter during backward, on rank 1 only),
+    ``"user_hook"`` (a gradient hook on a parameter, different per rank),
     ``"grad"`` (the compiled backward scales gradients), ``"lengths"`` (sequence lengths
     16, 9, 12: two recompiles), ``"no_sync"`` (each step accumulates two micro-batches).
     """
@@ -28,6 +29,8 @@ def verify_run(
     model = distcompile.wrap(DDP(net), backend=backend, verify=True, dynamic=False)
     if inject == "param" and rank == 1:
         dict(model.module.named_parameters())["0.0.weight"].register_post_accumulate_grad_hook(_halve)
+    if inject == "user_hook":  # legal: eager DDP reduces the hooked gradient, and so must the check
+        dict(model.module.named_parameters())["0.0.weight"].register_hook(lambda g: g * (rank + 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     micro = 2 if inject == "no_sync" else 1
     try:

@@ -54,7 +54,10 @@ def _seq2seq(rank: int, step: int) -> dict:
 
 def _images(rank: int, step: int) -> dict:
     g = _gen(rank, step)
-    return {"pixel_values": torch.randn(4, 3, 32, 32, generator=g), "labels": torch.randint(0, 10, (4,), generator=g)}
+    return {
+        "pixel_values": torch.randn(4, 3, 32, 32, generator=g),
+        "labels": torch.randint(0, 10, (4,), generator=g),
+    }
 
 
 def _audio(rank: int, step: int) -> dict:
@@ -70,10 +73,14 @@ def _build(name: str) -> tuple[nn.Module, Batch, dict]:
     heads = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
     moe = {"num_local_experts": 4, "num_experts_per_tok": 2}
     if name == "bert":
-        cfg = tf.BertConfig(**small, num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        cfg = tf.BertConfig(
+            **small, num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+        )
         return tf.BertForMaskedLM(cfg), _padded_mlm, {}
     if name == "gpt2":
-        cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg = tf.GPT2Config(
+            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+        )
         return tf.GPT2LMHeadModel(cfg), _causal, {}
     if name in ("llama_tied", "llama_untied"):
         cfg = tf.LlamaConfig(**small, **heads, tie_word_embeddings=name == "llama_tied")
@@ -82,22 +89,74 @@ def _build(name: str) -> tuple[nn.Module, Batch, dict]:
         cfg = tf.MixtralConfig(**small, **heads, **moe)
         return tf.MixtralForCausalLM(cfg), _causal, {}
     if name == "qwen2_moe":
-        cfg = tf.Qwen2MoeConfig(**small, **heads, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+        cfg = tf.Qwen2MoeConfig(
+            **small,
+            **heads,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+        )
         return tf.Qwen2MoeForCausalLM(cfg), _causal, {}
     if name == "t5":
-        cfg = tf.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, dropout_rate=0.0, decoder_start_token_id=0)
+        cfg = tf.T5Config(
+            vocab_size=VOCAB,
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=2,
+            num_heads=4,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+        )
         return tf.T5ForConditionalGeneration(cfg), _seq2seq, {}
     if name == "switch":
-        cfg = tf.SwitchTransformersConfig(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4, num_experts=4, dropout_rate=0.0, decoder_start_token_id=0)
+        cfg = tf.SwitchTransformersConfig(
+            vocab_size=VOCAB,
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            num_experts=4,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+        )
         return tf.SwitchTransformersForConditionalGeneration(cfg), _seq2seq, {"find_unused_parameters": True}
     if name == "vit":
-        cfg = tf.ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        cfg = tf.ViTConfig(
+            image_size=32,
+            patch_size=8,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            num_labels=10,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
         return tf.ViTForImageClassification(cfg), _images, {}
     if name == "resnet":
         cfg = tf.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10)
         return tf.ResNetForImageClassification(cfg), _images, {}
     if name == "whisper":
-        cfg = tf.WhisperConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=16, max_target_positions=32, dropout=0.0, decoder_start_token_id=1, pad_token_id=0)
+        cfg = tf.WhisperConfig(
+            vocab_size=VOCAB,
+            d_model=64,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=128,
+            decoder_ffn_dim=128,
+            num_mel_bins=16,
+            max_source_positions=16,
+            max_target_positions=32,
+            dropout=0.0,
+            decoder_start_token_id=1,
+            pad_token_id=0,
+        )
         return tf.WhisperForConditionalGeneration(cfg), _audio, {}
     raise KeyError(name)
 

@@ -15,6 +15,7 @@ __all__ = [
     "default_store",
     "is_fsdp_module",
     "queue_engine_callback",
+    "tensor_grad_hooks",
     "tree_leaves",
     "tree_map_only",
     "write_summary",
@@ -114,6 +115,21 @@ def queue_engine_callback(fn: Callable[[], None]) -> None:
         >>> # called from a gradient hook: queue_engine_callback(finish_step)
     """
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def tensor_grad_hooks(tensor: torch.Tensor) -> list[Callable]:
+    """The hooks ``tensor.register_hook`` put on ``tensor``, in order (not post-accumulate ones).
+
+    Checked: 2.13 (``Tensor._backward_hooks``, an ordered dict).
+
+    Example:
+        >>> t = torch.zeros(1, requires_grad=True)
+        >>> _ = t.register_hook(lambda g: g * 2)
+        >>> len(tensor_grad_hooks(t))
+        1
+    """
+    hooks = getattr(tensor, "_backward_hooks", None)
+    return list(hooks.values()) if hooks else []
 
 
 # -- TensorBoard ------------------------------------------------------------------------------

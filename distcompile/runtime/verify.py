@@ -295,6 +295,9 @@ class StepCheck:
         produced = torch.tensor([float(g is not None) for g in local], device=self._device())
         sums = []
         for n, g in zip(names, local):
+            for hook in compat.tensor_grad_hooks(self.params[n]) if g is not None else ():
+                changed = hook(g)  # the parameter's own hooks, as before DDP reduces
+                g = g if changed is None else changed
             before = armed.grads_before.get(n)
             total = torch.zeros_like(self.params[n]) if g is None else g.detach().to(self.params[n].dtype)
             sums.append(total + before if before is not None else total)
