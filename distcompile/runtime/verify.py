@@ -34,8 +34,10 @@ Cost
     Unchecked steps: one ``if``. A checked step holds one more copy of the parameters and
     buffers, the eager forward's activations beside the compiled ones until ``backward()``
     ends, and one more set of gradients; it runs the model eagerly once more (forward and
-    backward) plus a few collectives. Measured on the example GPT (4 layers, d=256, 13.8M
-    parameters, batch 8 x 128, 2 gloo ranks, Inductor, CPU): see ``docs/debugging.md``.
+    backward) plus a few collectives. Measured on the benchmark GPT (4 layers, d=256, vocabulary
+    8192: 5.3M parameters, 21 MB; batch 8 x 128; 2 gloo ranks, Inductor, 2-core CPU): a checked
+    step after warm-up took 0.79 s against 0.35 s for the steps around it (2.2x), and the
+    peak resident memory of a rank rose by 68 MB (about 3x the parameters' bytes).
 """
 
 from __future__ import annotations
