@@ -7,14 +7,20 @@ from typing import Any
 
 import torch
 
+from .version import unsupported
+
 __all__ = [
     "COMM_THREAD_PREFIXES",
-    "ddp_comm_hook_names",
+    "ddp_builtin_comm_hook",
+    "ddp_comm_hooks",
+    "ddp_delayed_params",
     "ddp_ignored_names",
     "ddp_uses_python_reducer",
     "default_store",
     "is_fsdp_module",
+    "optimizer_in_backward_count",
     "queue_engine_callback",
+    "remove_optimizer_in_backward_hooks",
     "tensor_grad_hooks",
     "tree_leaves",
     "tree_map_only",
@@ -64,20 +70,37 @@ def default_store() -> Any:
     return distributed_c10d._get_default_store()
 
 
-def ddp_comm_hook_names(ddp: torch.nn.Module) -> list[str]:
-    """Names of the communication hooks registered on a DDP model (Python or built-in).
+def ddp_comm_hooks(ddp: torch.nn.Module) -> list[tuple[Callable, object]]:
+    """``(hook, state)`` of each Python communication hook registered on a DDP model.
 
-    Python hooks are in ``ddp._comm_hooks``; built-in (C++) hooks only show in DDP's
-    logging data (``comm_hook``). Checked: 2.11, 2.13, 2.15.
+    Checked: 2.11, 2.13, 2.15 (``ddp._comm_hooks``, appended by ``register_comm_hook``).
 
     Example:
-        >>> # ddp_comm_hook_names(ddp) -> ['fp16_compress_hook']
+        >>> ddp_comm_hooks(torch.nn.Linear(1, 1))
+        []
     """
-    names = [getattr(h, "__qualname__", repr(h)) for h, _ in getattr(ddp, "_comm_hooks", [])]
-    if not names:
-        builtin = ddp._get_ddp_logging_data().get("comm_hook", "")
-        names = [builtin] if builtin else []
-    return names
+    return list(getattr(ddp, "_comm_hooks", []))
+
+
+def ddp_builtin_comm_hook(ddp: torch.nn.Module) -> str:
+    """The name of the C++ built-in hook registered on a DDP model, or ``""``.
+
+    Built-in hooks show only in DDP's logging data (``comm_hook``). Checked: 2.11, 2.13, 2.15.
+
+    Example:
+        >>> # ddp_builtin_comm_hook(ddp) -> 'BuiltinCommHookType.FP16_COMPRESS'
+    """
+    return str(ddp._get_ddp_logging_data().get("comm_hook", "") or "")
+
+
+def ddp_delayed_params(ddp: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters of ``DDP(delay_all_reduce_named_params=...)``. Checked: 2.13.
+
+    Example:
+        >>> ddp_delayed_params(torch.nn.Linear(1, 1))
+        []
+    """
+    return list(getattr(ddp, "_delay_all_reduce_params", []))
 
 
 def ddp_uses_python_reducer(ddp: torch.nn.Module) -> bool:
@@ -130,6 +153,45 @@ def tensor_grad_hooks(tensor: torch.Tensor) -> list[Callable]:
     """
     hooks = getattr(tensor, "_backward_hooks", None)
     return list(hooks.values()) if hooks else []
+
+
+def optimizer_in_backward_count() -> int:
+    """How many hooks ``_apply_optimizer_in_backward`` left registered, process-wide (0 when unused).
+
+    Checked: 2.13 (``torch.distributed.optim.apply_optimizer_in_backward.param_to_optim_hook_handle_map``).
+
+    Example:
+        >>> optimizer_in_backward_count() >= 0
+        True
+    """
+    try:
+        from torch.distributed.optim import apply_optimizer_in_backward as m
+    except ImportError:
+        return 0
+    handles = getattr(m, "param_to_optim_hook_handle_map", None)
+    return sum(len(h) for h in handles.values()) if handles else 0
+
+
+def remove_optimizer_in_backward_hooks(params: list[torch.Tensor]) -> None:
+    """Remove the hooks ``_apply_optimizer_in_backward`` registered on ``params``, as DDP does.
+
+    Checked: 2.13 (the handle map above; DDP's ``_setup_in_backward_optimizers``).
+
+    Example:
+        >>> remove_optimizer_in_backward_hooks([])
+    """
+    from torch.distributed.optim import apply_optimizer_in_backward as m
+
+    handles = getattr(m, "param_to_optim_hook_handle_map", None)
+    if handles is None:
+        raise unsupported(
+            "torch's optimizer-in-backward hook registry", AttributeError("param_to_optim_hook_handle_map")
+        )
+    for p in params:
+        for handle in handles.get(p, []):
+            handle.remove()
+        if p in handles:
+            handles[p] = []
 
 
 # -- TensorBoard ------------------------------------------------------------------------------

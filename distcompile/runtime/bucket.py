@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import UnsupportedModelError
+from .hooks import CommHook
 
 __all__ = ["FlatBucket"]
 _COMPRESSED = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -54,8 +55,9 @@ class FlatBucket:
         self.ready = [False] * len(self.params)
         self.n_ready = 0
         self.produced: tuple[bool, ...] = ()
-        self._flag_cache: dict[tuple[bool, ...], torch.Tensor] = {}
+        self._flag_cache: dict[tuple[tuple[bool, ...], float], torch.Tensor] = {}
         self.work: dist.Work | None = None
+        self.future: torch.futures.Future | None = None
         self.launched_at = 0.0
 
     @property
@@ -66,15 +68,16 @@ class FlatBucket:
         self.ready = [False] * len(self.params)
         self.n_ready = 0
         self.work = None
+        self.future = None
 
     def _flags(self, produced: tuple[bool, ...], scale: float) -> torch.Tensor:
         # One device tensor per pattern of locally produced gradients (nearly always a
         # single pattern: all of them), made once: a steady-state step copies nothing from
         # the host, so on CUDA the CPU never waits for the GPU here.
-        flags = self._flag_cache.get(produced)
+        flags = self._flag_cache.get((produced, scale))
         if flags is None:
             host = torch.tensor([scale if r else 0.0 for r in produced], dtype=self.wire.dtype)
-            flags = self._flag_cache[produced] = host.to(self.wire.device)
+            flags = self._flag_cache[(produced, scale)] = host.to(self.wire.device)
         return flags
 
     def _fill(self, produced: tuple[bool, ...], scale: float) -> None:
@@ -101,21 +104,42 @@ class FlatBucket:
             else:
                 torch.mul(g, scale, out=dst)
 
-    def launch(self, group: dist.ProcessGroup | None, scale: float) -> dist.Work:
-        """Fill the wire buffer with ``scale * grad`` (and the used flags); start its all-reduce."""
+    def launch(
+        self,
+        group: dist.ProcessGroup | None,
+        scale: float,
+        *,
+        hook: CommHook | None = None,
+        is_last: bool = False,
+    ) -> torch.futures.Future:
+        """Fill the bucket and start its reduction; a future that completes with it.
+
+        Without ``hook``: ``scale * grad`` and the used flags, one all-reduce. With a
+        communication hook: the local gradients as they are (DDP's contract: the hook
+        averages), the hook called; the flags are reduced apart (``write(used=...)``).
+        """
         produced = tuple(r and p.grad is not None for r, p in zip(self.ready, self.params))
         for name, p, r in zip(self.names, self.params, produced):
             if r and p.grad.is_sparse:
                 raise UnsupportedModelError(
-                    f"parameter {name!r} has a sparse gradient; distcompile reduces dense "
-                    "buckets only. Use nn.Embedding(sparse=False) or plain DDP for this model."
+                    f"parameter {name!r} has a sparse gradient in a dense bucket; distcompile reduces "
+                    "the weights of nn.Embedding(sparse=True) / nn.EmbeddingBag(sparse=True) apart, as "
+                    "DDP does, and no other parameter may have a sparse gradient."
                 )
         self.produced = produced
+        self.launched_at = time.perf_counter()
+        if hook is not None:
+            self._fill(produced, 1.0)
+            self.future = hook.run(self.index, is_last, self.buffer[: self.numel], self.params)
+            return self.future
         self._fill(produced, scale)
         self.wire[self.numel :].copy_(self._flags(produced, scale))
-        self.launched_at = time.perf_counter()
         self.work = dist.all_reduce(self.wire, group=group, async_op=True)
-        return self.work
+        return self.work.get_future()
+
+    def local_flags(self) -> torch.Tensor:
+        """1 for each parameter this rank produced a gradient for (reduced apart under a hook)."""
+        return self._flags(self.produced, 1.0)
 
     def nonfinite(self) -> list[str]:
         """Names of parameters whose synchronized gradient holds NaN or Inf."""
@@ -123,18 +147,37 @@ class FlatBucket:
             return []
         return [n for n, v in zip(self.names, self.wire_views) if not bool(torch.isfinite(v).all())]
 
-    def finish(self) -> None:
+    def wait(self) -> None:
+        """Wait for the reduction; the reduced values are in the bucket after it."""
+        if self.future is not None:
+            # A hook's future: its value is the reduced buffer (DDP's contract), maybe another tensor.
+            fut, self.future = self.future, None
+            value = fut.wait()
+            result = value[0] if isinstance(value, (list, tuple)) else value
+            dense = self.buffer[: self.numel]
+            if result.data_ptr() != dense.data_ptr():
+                dense.copy_(result.reshape(-1))
+            return
         if self.work is None:
-            raise RuntimeError(f"bucket {self.index}: finish() before launch()")
+            raise RuntimeError(f"bucket {self.index}: wait() before launch()")
         # Drop the Work at once rather than at the next step: the last step's Work would
         # otherwise live until interpreter teardown, holding this buffer and (with
         # an observer) a Python callback.
         work, self.work = self.work, None
         work.wait()  # on CUDA/NCCL: the current stream waits for the all-reduce, not the host
-        used = self.wire[self.numel :]  # > 0 where some rank produced a gradient
+
+    def finish(self) -> None:
+        """Wait for the all-reduce and write each parameter's ``.grad`` (no hook)."""
+        self.wait()
+        self.write(self.wire[self.numel :])
+
+    def write(self, used: torch.Tensor) -> None:
+        """Write each parameter's ``.grad`` from the reduced bucket; ``used[i] > 0``: some rank
+        produced a gradient for parameter ``i``."""
+        views = self.wire_views
         used_host: list[float] | None = None
         for i, p in enumerate(self.params):
-            src = self.wire_views[i]
+            src = views[i]
             if not self.produced[i]:
                 # This rank produced no gradient: the average (zeros standing in for this
                 # rank) if another rank did, else .grad stays as it was, as in DDP.

@@ -25,6 +25,7 @@ from .._errors import ConfigError, UnsupportedModelError
 from ..planning.costs import CostModel
 from ..planning.plan import DEFAULT_FIRST_BUCKET_BYTES
 from .collectives import broadcast_coalesced
+from .hooks import CommHook, adopt_hook, builtin_hook
 from .measure import measure_costs
 from .nesting import data_parallel_kind, find_inner_data_parallel
 
@@ -47,7 +48,9 @@ class Settings:
         first_bucket_cap: Bytes of the first bucket.
         broadcast_buffers: Broadcast buffers from the group's first rank before each forward.
         grad_as_view: ``gradient_as_bucket_view``.
-        compression: ``None``, ``"fp16"`` or ``"bf16"`` (``Config`` or the DDP comm hook).
+        compression: ``None``, ``"fp16"`` or ``"bf16"`` (``Config`` or DDP's fp16/bf16 comm hook).
+        comm_hook: A communication hook registered on the DDP model that runs on distcompile's
+            buckets (``runtime/hooks.py``); DDP's own allreduce/fp16/bf16 hooks are ``compression``.
         ignored: Parameter and buffer names DDP was told to ignore.
         device: Where inputs go (the DDP model's ``device_ids[0]``), or ``None``.
         costs: The measured cost model under ``bucket_cap_mb="auto"``, else ``None``.
@@ -60,6 +63,7 @@ class Settings:
     broadcast_buffers: bool
     grad_as_view: bool
     compression: str | None
+    comm_hook: CommHook | None
     ignored: frozenset[str]
     device: torch.device | None
     costs: CostModel | None
@@ -91,7 +95,12 @@ def adopt(model: nn.Module, cfg: Config) -> tuple[nn.Module, Settings]:
     cap, first_cap = bucket_caps(
         model, bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_cap_mb=cfg.first_bucket_cap_mb
     )
-    broadcast_buffers, grad_as_view, compression = fields.pop("inherited")
+    broadcast_buffers, grad_as_view, (comm_hook, compression) = fields.pop("inherited")
+    if comm_hook is not None and cfg.compression is not None:
+        raise ConfigError(
+            f"compression={cfg.compression!r} and the DDP model's communication hook {comm_hook.name!r} both "
+            "decide how gradients travel. Drop compression= (the hook's own compression applies) or the hook."
+        )
     group = fields["group"]
     params = list(inner.parameters())
     if cfg.cudagraphs and not (params and all(p.is_cuda for p in params)):
@@ -142,6 +151,7 @@ def adopt(model: nn.Module, cfg: Config) -> tuple[nn.Module, Settings]:
         broadcast_buffers=_pick(cfg.broadcast_buffers, broadcast_buffers),
         grad_as_view=_pick(cfg.gradient_as_bucket_view, grad_as_view),
         compression=cfg.compression or compression,
+        comm_hook=comm_hook,
         costs=costs,
     )
 
@@ -174,8 +184,12 @@ def _reject_nested(model: nn.Module) -> None:
 def _from_ddp(model: DDP) -> tuple[nn.Module, dict]:
     if getattr(model, "mixed_precision", None) is not None:
         raise UnsupportedModelError(
-            f"DDP mixed_precision={model.mixed_precision!r} is not supported. Use "
-            "torch.autocast in the training loop and compression='bf16' instead."
+            f"DDP mixed_precision={model.mixed_precision!r} is not supported: DDP then keeps a low-precision "
+            "copy of every parameter, runs forward and backward on the copies through hooks on its own "
+            "forward (which distcompile does not call), and reduces in reduce_dtype; a compiled graph "
+            "captured on the full-precision parameters would train something else. Use torch.autocast in "
+            "the training loop (same low-precision compute) and compression='bf16' or 'fp16' (the "
+            "reduce_dtype) instead."
         )
     if compat.ddp_uses_python_reducer(model):
         raise UnsupportedModelError(
@@ -191,11 +205,15 @@ def _from_ddp(model: DDP) -> tuple[nn.Module, dict]:
             f"the DDP model's process group is no longer usable ({type(exc).__name__}: {exc}); it "
             "was probably destroyed. Build the DDP model on a live process group before wrap()."
         ) from exc
+    # delay_all_reduce_named_params: DDP lists them as ignored and all-reduces them after
+    # backward; distcompile reduces them with the parameters of their first use.
+    delayed = {id(p) for p in compat.ddp_delayed_params(model)}
+    delayed_names = {n for n, p in model.module.named_parameters() if id(p) in delayed}
     return model.module, {
         "group": group,
-        "ignored": frozenset(getattr(model, "parameters_to_ignore", ())),
+        "ignored": frozenset(getattr(model, "parameters_to_ignore", ())) - delayed_names,
         "device": torch.device(model.device_type, model.device_ids[0]) if model.device_ids else None,
-        "inherited": (model.broadcast_buffers, model.gradient_as_bucket_view, _ddp_hook_compression(model)),
+        "inherited": (model.broadcast_buffers, model.gradient_as_bucket_view, _ddp_hook(model, group)),
     }
 
 
@@ -205,7 +223,7 @@ def _from_module(model: nn.Module) -> tuple[nn.Module, dict]:
         "group": None,
         "ignored": compat.ddp_ignored_names(model),
         "device": None,
-        "inherited": (True, False, None),
+        "inherited": (True, False, (None, None)),
     }
 
 
@@ -239,26 +257,14 @@ _MB = 1024 * 1024
 _DDP_DEFAULT_CAP_MB = 25
 
 
-_HOOK_COMPRESSION = {
-    "fp16_compress_hook": "fp16",
-    "bf16_compress_hook": "bf16",
-    "BuiltinCommHookType.FP16_COMPRESS": "fp16",
-    "allreduce_hook": None,
-    "BuiltinCommHookType.ALLREDUCE": None,
-}
-
-
-def _ddp_hook_compression(ddp: DDP) -> str | None:
-    names = compat.ddp_comm_hook_names(ddp)
-    for name in names:
-        if name not in _HOOK_COMPRESSION:
-            raise UnsupportedModelError(
-                f"the DDP model has communication hook {name!r} registered; distcompile reduces "
-                "gradients itself and supports only DDP's built-in allreduce, fp16 and bf16 "
-                "compression hooks. Remove the hook (build the DDP without register_comm_hook) "
-                "or pass compression='fp16'/'bf16' to distcompile.wrap."
-            )
-    return next((_HOOK_COMPRESSION[n] for n in names if _HOOK_COMPRESSION[n]), None)
+def _ddp_hook(ddp: DDP, group: dist.ProcessGroup | None) -> tuple[CommHook | None, str | None]:
+    """The communication hook registered on ``ddp`` before ``wrap``: to call, or fused as compression."""
+    hooks = compat.ddp_comm_hooks(ddp)
+    if hooks:
+        hook, state = hooks[-1]  # DDP allows one
+        return adopt_hook(hook, state, group)
+    builtin = compat.ddp_builtin_comm_hook(ddp)
+    return None, (builtin_hook(builtin) if builtin else None)
 
 
 def _param_checksums(module: nn.Module) -> str:

@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Joinable
 
 from .. import _torch_compat as compat
 from .._agreement import default_store, failed_ranks, mark_failed
@@ -21,8 +22,11 @@ from ..compile.backend import CompileObserver, CompileTarget, GraphCompiler, Gra
 from . import shutdown
 from .collectives import broadcast_coalesced
 from .ddp import Settings
+from .join import join_enabled, notify_join, sync_flag, take_last_joiner_state
 from .nesting import WRAPPERS, outer_data_parallel
 from .reducer import BucketReducer, StepObserver, StepStats
+from .sparse import sparse_params
+from .surface import DDPSurface
 from .verify import StepCheck
 
 __all__ = ["DistCompiledModule", "Observer"]
@@ -54,10 +58,11 @@ def _region_failure(exc: BaseException) -> bool:
     return cause is not None
 
 
-class DistCompiledModule(nn.Module):
+class DistCompiledModule(DDPSurface, nn.Module, Joinable):
     """A model compiled by :func:`distcompile.wrap`; use it as you would the DDP model.
 
-    ``state_dict()`` keys carry the ``module.`` prefix, as DDP's do.
+    ``state_dict()`` keys carry the ``module.`` prefix, as DDP's do. DDP's own API works on it
+    (``no_sync``, ``register_comm_hook``, ``join`` and ``Join([model])``: ``runtime/surface.py``).
 
     Attributes:
         module: The wrapped (inner) model.
@@ -79,6 +84,8 @@ class DistCompiledModule(nn.Module):
         observer: Observer | None = None,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
+        self._divide_by_initial = True
         self.module = module
         self.config = config
         self._settings = settings
@@ -101,6 +108,8 @@ class DistCompiledModule(nn.Module):
             observer=observer,
             detect_nonfinite=config.detect_nonfinite,
             describe_peers=self._describe_peers,
+            sparse=sparse_params(module),
+            comm_hook=settings.comm_hook,
         )
         target = CompileTarget(
             config=config,
@@ -137,6 +146,7 @@ class DistCompiledModule(nn.Module):
             on_guard_failure=self._backend.guard_failed,
         )
         object.__setattr__(self, "_compiled", compiled)  # not a registered submodule
+        self.attach_to(source)  # ddp.register_comm_hook(...) and Join([ddp]) reach this module
         shutdown.track(self)  # closed at interpreter exit if the script does not
 
     @property
@@ -150,13 +160,16 @@ class DistCompiledModule(nn.Module):
         if not self._outer_checked:
             self._check_not_wrapped()
         s = self._settings
-        if s.broadcast_buffers and self._require_forward_param_sync and self._buffers_list:
-            with torch.no_grad():
-                broadcast_coalesced(self._buffers_list, src=self._ranks[0], group=s.group)
-        sync = torch.is_grad_enabled() and self._sync
+        ddp = self._source[0]
+        sync = torch.is_grad_enabled() and self._sync and getattr(ddp, "require_backward_grad_sync", True)
+        joinables = (self, ddp)
+        join_work = notify_join(joinables)  # runtime/join.py: the order of a step's collectives
+        self._sync_buffers()
+        if join_enabled(joinables):
+            sync_flag(sync, device=self.join_device, group=s.group, joined=False)
         self._require_forward_param_sync = sync
         if sync:
-            self._reducer.begin_forward()
+            self._reducer.begin_forward(join_work, self._divide_by_initial)
         if s.device is not None:
             args, kwargs = compat.tree_map_only(
                 torch.Tensor, lambda t: t.to(s.device, non_blocking=True), (args, kwargs)
@@ -222,6 +235,27 @@ class DistCompiledModule(nn.Module):
         if unmark is not None:
             unmark()
 
+    def _sync_buffers(self) -> None:
+        s = self._settings
+        if s.broadcast_buffers and self._require_forward_param_sync and self._buffers_list:
+            with torch.no_grad():
+                broadcast_coalesced(self._buffers_list, src=self._ranks[0], group=s.group)
+
+    def _shadow_step(self) -> None:
+        """A joined rank's part of the others' step (runtime/join.py)."""
+        self._sync_buffers()
+        syncs = sync_flag(False, device=self.join_device, group=self._settings.group, joined=True)
+        self._require_forward_param_sync = syncs
+        if syncs:
+            self._reducer.shadow_step()
+
+    def _take_last_joiner_state(self, is_last_joiner: bool) -> None:
+        states = [p.detach() for n, p in self.module.named_parameters() if n not in self._settings.ignored]
+        if self._settings.broadcast_buffers:
+            states += self._buffers_list
+        with torch.no_grad():
+            take_last_joiner_state(states, is_last_joiner=is_last_joiner, group=self._settings.group)
+
     def _check_not_wrapped(self) -> None:
         # Until the first training forward: a DDP put around this module (Accelerate's prepare
         # after wrap, Lightning's strategy) runs its forward right above this one.
@@ -245,9 +279,11 @@ class DistCompiledModule(nn.Module):
                 f"rank {r} raised first: {' '.join(what.split())[:1000]}" for r, what in failed.items()
             )
         return (
-            "No other rank recorded an error in its forward: a peer process was probably killed, "
-            "raised in backward, or lost its network; its own log (or the launcher's) says why. "
-            "Waiting on a dead peer is bounded by the process group's timeout "
+            "No other rank recorded an error in its forward. Either a peer ran out of data (uneven inputs: "
+            "ranks with fewer batches stop calling the model while the others wait in the all-reduce; "
+            "train inside `with model.join():` or `Join([model])`, or give every rank as many batches), "
+            "or a peer process was killed, raised in backward, or lost its network; its own log (or the "
+            "launcher's) says why. Waiting is bounded by the process group's timeout "
             "(init_process_group(timeout=...))."
         )
 
@@ -278,6 +314,7 @@ class DistCompiledModule(nn.Module):
             >>> # model.close()  # at the end of training
         """
         shutdown.untrack(self)
+        self.detach_from(self._source[0])
         self._reducer.close()
         self._drop_regions()
         if self._observer is not None:

@@ -47,76 +47,35 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from .. import _torch_compat as compat
-from .._errors import CommunicationError, DistCompileError, NonFiniteGradientError
+from .._errors import CommunicationError, ConfigError, DistCompileError, NonFiniteGradientError
 from .bucket import FlatBucket
+from .hooks import CommHook
+from .optim_in_backward import OptimizersInBackward
+from .schedule import Bucket, build_schedule, claimed_by
+from .stats import StepObserver, StepStats
 
 __all__ = ["BucketReducer", "StepObserver", "StepStats"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class StepStats:
-    """Timings of one synchronized step, in milliseconds.
-
-    Attributes:
-        step: Index of this synchronized step (0 for the first).
-        fwd_bwd_ms: From the first forward of the step to the end of ``backward()``.
-        buckets: Number of buckets all-reduced.
-        bytes: Bytes all-reduced (payload plus flags).
-        exposed_comm_ms: Time ``backward()`` spent waiting for communication at its end
-            (host time). On CUDA with NCCL the host does not wait, so without telemetry
-            this is near 0; with ``logdir=`` it is the GPU time of communication that no
-            computation hid, in step ``timed_step``.
-        launch_ms: For each bucket, host time of its launch after the first gradient was ready.
-        overlap_pct: Share of all-reduce time that overlapped computation (from telemetry).
-        comm_ms: Time any all-reduce was in flight (from telemetry).
-        timed_step: The step ``overlap_pct`` and ``comm_ms`` describe: this one on CPU; on
-            CUDA the newest step the GPU has finished (usually the one before), since
-            reading GPU times sooner would stop the host; -1 without telemetry.
-    """
-
-    step: int = -1
-    fwd_bwd_ms: float = 0.0
-    buckets: int = 0
-    bytes: int = 0
-    exposed_comm_ms: float = 0.0
-    launch_ms: list[float] = field(default_factory=list)
-    overlap_pct: float = 0.0
-    comm_ms: float = 0.0
-    timed_step: int = -1
-
-
-class StepObserver(Protocol):
-    """What the reducer tells an observer (telemetry) about a synchronized step.
-
-    The reducer calls these on the training thread; the observer must not communicate.
-    """
-
-    def begin_step(self) -> None:
-        """A synchronized step opened (its first forward)."""
-
-    def bucket_launched(self, index: int, nbytes: int, nparams: int, work: dist.Work) -> None:
-        """Bucket ``index``'s all-reduce was started; ``work`` completes with it."""
-
-    def end_step(self, stats: StepStats) -> dict[str, float]:
-        """The step's ``backward()`` ended; returns ``StepStats`` fields the observer derived."""
-
-
 class _Step:
-    def __init__(self) -> None:
+    def __init__(self, join_work: dist.Work | None, divide_by_initial: bool) -> None:
         self.graphs: list[int] = []
-        self.order: list[FlatBucket] | None = None
+        self.order: list[Bucket] | None = None
         self.cursor = 0
         self.forward_at = time.perf_counter()
         self.started = 0.0
+        self.scale: float | None = None
+        # Under Join: the all-reduce counting the ranks that have not joined (DDP's rule:
+        # divide by them instead of the world size when divide_by_initial_world_size=False).
+        self.join_work = None if divide_by_initial else join_work
 
 
 class BucketReducer:
@@ -138,8 +97,15 @@ class BucketReducer:
         observer: StepObserver | None = None,
         detect_nonfinite: bool = False,
         describe_peers: Callable[[], str] = lambda: "",
+        sparse: set[int] = frozenset(),  # type: ignore[assignment]
+        comm_hook: CommHook | None = None,
     ) -> None:
         self.params = dict(params)
+        self.sparse = set(sparse)
+        self.comm_hook = comm_hook
+        self._pending_hook: tuple[CommHook | None, str | None] | None = None
+        self._last_order: list[Bucket] | None = None  # the last synchronized step's (Join shadows it)
+        self.optimizers = OptimizersInBackward(self.params)
         self.observer = observer
         self.detect_nonfinite = detect_nonfinite
         self.describe_peers = describe_peers
@@ -151,7 +117,7 @@ class BucketReducer:
         self.world_size = dist.get_world_size(group)
         self._graph_buckets: dict[int, list[list[str]]] = {}
         # graphs that ran -> (buckets in launch order, id(param) -> (bucket, slot))
-        self._schedules: dict[tuple[int, ...], tuple[list[FlatBucket], dict]] = {}
+        self._schedules: dict[tuple[int, ...], tuple[list[Bucket], dict]] = {}
         self._step: _Step | None = None
         self._warned_unsynced = False
         self.last_step = StepStats()
@@ -164,12 +130,28 @@ class BucketReducer:
         """Register the planned buckets (parameter names, gradient order) of a graph."""
         self._graph_buckets[graph_id] = [list(b) for b in buckets]
 
-    def begin_forward(self) -> None:
-        """Open a step (if none is open): the next backward synchronizes gradients."""
+    def begin_forward(self, join_work: dist.Work | None = None, divide_by_initial: bool = True) -> None:
+        """Open a step (if none is open): the next backward synchronizes gradients.
+
+        ``join_work``: under ``Join``, the all-reduce that counts the ranks still training.
+        """
         if self._step is None:
-            self._step = _Step()
+            if self._pending_hook is not None:
+                (self.comm_hook, self.compression), self._pending_hook = self._pending_hook, None
+                self._schedules.clear()  # buckets are rebuilt for the new hook
+            self.optimizers.adopt_new()
+            self._step = _Step(join_work, divide_by_initial)
             if self.observer is not None:
                 self.observer.begin_step()
+
+    def set_comm_hook(self, hook: CommHook | None, compression: str | None) -> None:
+        """Reduce with ``hook`` (or the fused path with ``compression``) from the next step on."""
+        if hook is not None and self.compress_tail_only:
+            raise ConfigError(
+                f"communication hook {hook.name!r} and compression_scope='tail' both decide how buckets "
+                "travel; drop compression_scope (the hook compresses if it wants to)."
+            )
+        self._pending_hook = (hook, compression)
 
     def record_graph(self, graph_id: int) -> None:
         """Note that a captured graph ran with gradients in the open step."""
@@ -182,7 +164,7 @@ class BucketReducer:
         return set() if self._step is None else self._claimed_by(self._step)
 
     def _claimed_by(self, step: _Step) -> set[str]:
-        return {p for g in step.graphs for b in self._graph_buckets.get(g, ()) for p in b}
+        return claimed_by(self._graph_buckets, step.graphs)
 
     @property
     def step_open(self) -> bool:
@@ -194,46 +176,24 @@ class BucketReducer:
         return 0 if self._step is None else len(self._step.graphs)
 
     # -- backward side -------------------------------------------------------------
-    def _schedule(self, graphs: tuple[int, ...]) -> tuple[list[FlatBucket], dict]:
+    def _schedule(self, graphs: tuple[int, ...]) -> tuple[list[Bucket], dict]:
         cached = self._schedules.get(graphs)
         if cached is not None:
             for b in cached[0]:
                 b.reset()
             return cached
-        claimed: set[str] = set()
-        groups: list[list[str]] = []
-        # First use wins: claim graphs in forward order, launch them in reverse.
-        per_graph = []
-        for g in graphs:
-            mine = [[p for p in b if p not in claimed] for b in self._graph_buckets.get(g, ())]
-            claimed.update(p for b in mine for p in b)
-            per_graph.append(mine)
-        for mine in reversed(per_graph):
-            groups.extend(b for b in mine if b)
-        # The tail: the first forward segment's bucket and the trailing bucket, both final
-        # only when backward ends.
-        tail_from = max(len(groups) - 1, 0)
-        rest = [n for n in reversed(list(self.params)) if n not in claimed]
-        if rest:
-            groups.append(rest)
-        order = []
-        for g, names in enumerate(groups):
-            compression = self.compression if g >= tail_from or not self.compress_tail_only else None
-            by_dtype: dict[tuple[torch.dtype, torch.device], list[tuple[str, torch.nn.Parameter]]] = {}
-            for n in names:
-                p = self.params[n]
-                by_dtype.setdefault((p.dtype, p.device), []).append((n, p))
-            for members in by_dtype.values():
-                order.append(
-                    FlatBucket(len(order), members, compression=compression, grad_as_view=self.grad_as_view)
-                )
+        order = build_schedule(
+            self._graph_buckets,
+            graphs,
+            self.params,
+            sparse=self.sparse,
+            compression=None if self.comm_hook is not None else self.compression,
+            compress_tail_only=self.compress_tail_only,
+            grad_as_view=self.grad_as_view,
+        )
         locate = {id(p): (b, i) for b in order for i, p in enumerate(b.params)}
         self._schedules[graphs] = (order, locate)
-        log.debug(
-            "schedule for graphs %s: %s",
-            graphs,
-            [(b.index, len(b.params), b.nbytes) for b in order],
-        )
+        log.debug("schedule for graphs %s: %s", graphs, [(b.index, len(b.params), b.nbytes) for b in order])
         return order, locate
 
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -256,25 +216,73 @@ class BucketReducer:
             bucket.n_ready += 1
         self._launch_ready(step)
 
+    def _scale(self, step: _Step) -> float:
+        if step.scale is None:
+            step.scale = 1.0 / self.world_size
+            if step.join_work is not None:  # divide by the ranks that have not joined
+                step.join_work.wait()
+                step.scale = 1.0 / max(float(step.join_work.result()[0].item()), 1.0)
+        return step.scale
+
     def _launch_ready(self, step: _Step, *, all_remaining: bool = False) -> None:
         order = step.order
         assert order is not None
-        scale = 1.0 / self.world_size
         while step.cursor < len(order):
             bucket = order[step.cursor]
             if not all_remaining and bucket.n_ready < len(bucket.params):
                 return
-            try:
-                work = bucket.launch(self.group, scale)
-                if self.observer is not None:
-                    self.observer.bucket_launched(bucket.index, bucket.nbytes, len(bucket.params), work)
-            except DistCompileError:
-                raise
-            except Exception as exc:
-                raise self._comm_error(bucket, "launching", exc) from exc
+            self._launch(bucket, self._scale(step), is_last=step.cursor == len(order) - 1)
             step.cursor += 1
 
-    def _comm_error(self, bucket: FlatBucket, doing: str, exc: Exception) -> CommunicationError:
+    def _launch(self, bucket: Bucket, scale: float, *, is_last: bool) -> None:
+        try:
+            future = bucket.launch(self.group, scale, hook=self.comm_hook, is_last=is_last)
+            if self.observer is not None:
+                self.observer.bucket_launched(bucket.index, bucket.nbytes, len(bucket.params), future)
+        except DistCompileError:
+            raise
+        except Exception as exc:
+            raise self._comm_error(bucket, "launching", exc) from exc
+
+    def _wait_and_write(self, order: list[Bucket], *, write: bool = True) -> None:
+        """Wait for every bucket in order, then write gradients (a hook's buckets after their
+        used flags, reduced together once every hook is done: a hook may chain collectives)."""
+        for bucket in order:
+            try:
+                bucket.wait()
+            except Exception as exc:
+                raise self._comm_error(bucket, "waiting for", exc) from exc
+        hooked = [b for b in order if isinstance(b, FlatBucket) and self.comm_hook is not None]
+        used: dict[int, torch.Tensor] = {}
+        if hooked:
+            flags = torch.cat([b.local_flags() for b in hooked])
+            dist.all_reduce(flags, group=self.group)
+            used = dict(zip((b.index for b in hooked), flags.split([len(b.params) for b in hooked])))
+        if not write:
+            return
+        for bucket in order:
+            if isinstance(bucket, FlatBucket):
+                bucket.write(used[bucket.index] if bucket.index in used else bucket.wire[bucket.numel :])
+            else:
+                bucket.write()
+            self.optimizers.step(bucket.params)
+
+    def shadow_step(self) -> None:
+        """The collectives of one synchronized step with zero gradients, for a rank that joined
+        (its buckets: the last step's). Its own gradients are left alone."""
+        order = self._last_order
+        if order is None:
+            raise CommunicationError(
+                f"rank {dist.get_rank()} joined before its first synchronized step, so it does not know "
+                "the buckets the other ranks all-reduce and cannot take part. Give every rank at least "
+                "one batch inside the Join context."
+            )
+        for i, bucket in enumerate(order):
+            bucket.reset()
+            self._launch(bucket, 1.0 / self.world_size, is_last=i == len(order) - 1)
+        self._wait_and_write(order, write=False)
+
+    def _comm_error(self, bucket: Bucket, doing: str, exc: Exception) -> CommunicationError:
         return CommunicationError(
             f"rank {dist.get_rank()}: {doing} the all-reduce of bucket {bucket.index} "
             f"({bucket.nbytes} bytes, {len(bucket.params)} parameters) in step {self.steps} failed: "
@@ -292,11 +300,9 @@ class BucketReducer:
             return
         t0 = time.perf_counter()
         self._launch_ready(step, all_remaining=True)
-        for bucket in step.order:
-            try:
-                bucket.finish()
-            except Exception as exc:
-                raise self._comm_error(bucket, "waiting for", exc) from exc
+        self._wait_and_write(step.order)
+        self.optimizers.end_step()
+        self._last_order = step.order
         if self.detect_nonfinite:
             for bucket in step.order:
                 bad = bucket.nonfinite()

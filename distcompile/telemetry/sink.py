@@ -23,7 +23,6 @@ from .instrument import instrument
 from .timeline import Span, chrome_trace, overlap_pct, union
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
 
     from ..runtime.reducer import StepStats
 
@@ -138,7 +137,7 @@ class Telemetry:
         self.timeline.begin()
         self._compiled_this_step = False
 
-    def bucket_launched(self, index: int, nbytes: int, nparams: int, work: dist.Work) -> None:
+    def bucket_launched(self, index: int, nbytes: int, nparams: int, future: torch.futures.Future) -> None:
         # Start: the gradients are in the bucket (on CUDA, the producing stream reached the
         # launch). End: the future's callback; on CUDA it runs on a stream that waits for
         # the all-reduce, so an event recorded there marks its end on the GPU.
@@ -150,7 +149,7 @@ class Telemetry:
             span.end = clock.mark()
             timeline.add(span)
 
-        work.get_future().then(done)
+        future.then(done)
 
     def _wants_figure(self, step: int, compiled: bool) -> bool:
         # A step that compiled (step 0: capture and the lazy backward compile) would show

@@ -1,0 +1,143 @@
+"""DDP communication hooks on distcompile's buckets (``register_comm_hook``'s contract).
+
+A DDP communication hook is ``hook(state, bucket) -> Future[Tensor]``: it receives a
+``GradBucket`` holding the bucket's local gradients, flattened (not yet averaged), and
+returns a future whose value is the reduced buffer; DDP writes that back into the
+gradients. ``GradBucket`` cannot be built from Python, so the hook gets a
+:class:`GradBucketView` with the same methods, over distcompile's flat bucket: DDP's own
+hooks (allreduce, fp16/bf16 compression, PowerSGD and batched PowerSGD, post-local SGD,
+noop) and users' hooks only call those methods. DDP's built-in allreduce, fp16 and bf16
+hooks on the model's own process group are not called: the fused path does the same
+arithmetic (``compression=``) without a Python callback per bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from .._errors import UnsupportedModelError
+
+__all__ = ["CommHook", "GradBucketView", "adopt_hook", "builtin_hook"]
+
+#: DDP's hooks that are the fused all-reduce with a compression format (or none).
+_FUSED: dict[Callable, str | None] = {
+    default_hooks.allreduce_hook: None,
+    default_hooks.fp16_compress_hook: "fp16",
+    default_hooks.bf16_compress_hook: "bf16",
+}
+#: DDP's C++ built-in hooks (``_register_builtin_comm_hook``), by their logged name.
+_BUILTIN = {"BuiltinCommHookType.ALLREDUCE": None, "BuiltinCommHookType.FP16_COMPRESS": "fp16"}
+
+
+class GradBucketView:
+    """What a communication hook receives: one distcompile bucket, as DDP's ``GradBucket``.
+
+    Example:
+        >>> b = GradBucketView(0, True, torch.zeros(3), [torch.nn.Parameter(torch.ones(3))])
+        >>> b.index(), b.is_last(), b.buffer().numel(), len(b.gradients())
+        (0, True, 3, 1)
+    """
+
+    def __init__(
+        self, index: int, is_last: bool, buffer: torch.Tensor, params: Sequence[torch.nn.Parameter]
+    ) -> None:
+        self._index, self._is_last, self._buffer, self._params = index, is_last, buffer, list(params)
+        views, offset = [], 0
+        for p in self._params:
+            views.append(buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self._views = views
+
+    def index(self) -> int:
+        """Position of the bucket in this step's launch order (0: ready first)."""
+        return self._index
+
+    def is_last(self) -> bool:
+        """Whether this is the step's last bucket (hooks count iterations on it)."""
+        return self._is_last
+
+    def buffer(self) -> torch.Tensor:
+        """The bucket's local gradients, flattened (not averaged), in ``parameters()`` order."""
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace the buffer's contents with ``tensor`` (same number of elements)."""
+        self._buffer.copy_(tensor.reshape(self._buffer.shape))
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The bucket's parameters."""
+        return list(self._params)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Each parameter's gradient, as a view of ``buffer()``."""
+        return list(self._views)
+
+
+@dataclass(frozen=True, slots=True)
+class CommHook:
+    """A registered communication hook and its state.
+
+    Attributes:
+        hook: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``.
+        state: What DDP's ``register_comm_hook`` calls the hook with.
+    """
+
+    hook: Callable[[object, GradBucketView], torch.futures.Future]
+    state: object
+
+    @property
+    def name(self) -> str:
+        return getattr(self.hook, "__qualname__", None) or repr(self.hook)
+
+    def run(
+        self, index: int, is_last: bool, buffer: torch.Tensor, params: Sequence[torch.nn.Parameter]
+    ) -> torch.futures.Future:
+        """Call the hook on one bucket; its future, checked to be one."""
+        fut = self.hook(self.state, GradBucketView(index, is_last, buffer, params))
+        if not isinstance(fut, torch.futures.Future):
+            raise UnsupportedModelError(
+                f"communication hook {self.name!r} returned a {type(fut).__name__}; DDP's contract is a "
+                "torch.futures.Future whose value is the reduced bucket buffer (e.g. "
+                "dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0]))."
+            )
+        return fut
+
+
+def _same_group(state: object, group: dist.ProcessGroup | None) -> bool:
+    # DDP's built-in hooks take their process group as the state (None: the default group).
+    return state is None or state is (group or dist.group.WORLD)
+
+
+def adopt_hook(
+    hook: Callable, state: object, group: dist.ProcessGroup | None
+) -> tuple[CommHook | None, str | None]:
+    """``(hook to call, fused compression)``: DDP's allreduce/fp16/bf16 hooks on ``group`` are fused.
+
+    Example:
+        >>> adopt_hook(default_hooks.fp16_compress_hook, None, None)
+        (None, 'fp16')
+    """
+    if not callable(hook):
+        raise UnsupportedModelError(f"register_comm_hook got hook={hook!r}, which is not callable.")
+    if hook in _FUSED and _same_group(state, group):
+        return None, _FUSED[hook]
+    return CommHook(hook, state), None
+
+
+def builtin_hook(name: str) -> str | None:
+    """The fused compression of DDP's C++ built-in hook ``name`` (``BuiltinCommHookType.*``).
+
+    Example:
+        >>> builtin_hook("BuiltinCommHookType.FP16_COMPRESS")
+        'fp16'
+    """
+    if name not in _BUILTIN:
+        raise UnsupportedModelError(
+            f"DDP's built-in communication hook {name!r} is not known to distcompile."
+        )
+    return _BUILTIN[name]

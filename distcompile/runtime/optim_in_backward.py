@@ -1,0 +1,67 @@
+"""The optimizer in backward: ``_apply_optimizer_in_backward`` steps on averaged gradients.
+
+``torch.distributed.optim._apply_optimizer_in_backward`` gives each parameter its own
+optimizer, stepped by a hook on the parameter's gradient accumulator, on the *local*
+gradient. DDP takes those hooks off when it starts (its lazy init) and steps each
+parameter's optimizers after its bucket's all-reduce instead, then sets the gradient to
+``None``. distcompile does the same: at the first training forward (and at any later one
+after new optimizers appeared) it takes the hooks off, and it steps a bucket's
+parameters once their averaged gradients are written, at the end of ``backward()``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from .. import _torch_compat as compat
+
+__all__ = ["OptimizersInBackward"]
+
+log = logging.getLogger(__name__)
+
+
+class OptimizersInBackward:
+    """The parameters of one wrapped model that carry optimizers run in backward.
+
+    Example:
+        >>> opts = OptimizersInBackward({"w": torch.nn.Parameter(torch.ones(1))})
+        >>> opts.adopt_new(); opts.ids
+        set()
+    """
+
+    def __init__(self, params: Mapping[str, torch.nn.Parameter]) -> None:
+        self.params = dict(params)
+        self.ids: set[int] = set()
+
+    def adopt_new(self) -> None:
+        """Take torch's own step-on-local-gradient hooks off parameters that got optimizers."""
+        if compat.optimizer_in_backward_count() == 0:  # none registered, or all taken off
+            return
+        found = [p for p in self.params.values() if getattr(p, "_in_backward_optimizers", None)]
+        compat.remove_optimizer_in_backward_hooks(found)  # also hooks added again to known ones
+        new = {id(p) for p in found} - self.ids
+        if new:
+            self.ids.update(new)
+            log.info(
+                "optimizer in backward: %d parameter(s) step after their bucket's all-reduce", len(self.ids)
+            )
+
+    def step(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Step the optimizers of ``params`` (their averaged gradients are written)."""
+        if not self.ids:
+            return
+        for p in params:
+            if id(p) in self.ids and p.grad is not None:
+                for opt in p._in_backward_optimizers:  # type: ignore[attr-defined]
+                    opt.step()
+
+    def end_step(self) -> None:
+        """As DDP: the gradients of parameters stepped in backward are ``None`` after it."""
+        if not self.ids:
+            return
+        for p in self.params.values():
+            if id(p) in self.ids:
+                p.grad = None

@@ -1,0 +1,83 @@
+"""The buckets of one step, in launch order, from the graphs that ran (Note [Bucketed all-reduce])."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from .bucket import FlatBucket
+from .sparse import SparseBucket
+
+__all__ = ["Bucket", "build_schedule", "claimed_by"]
+
+Bucket = FlatBucket | SparseBucket
+
+
+def claimed_by(graph_buckets: Mapping[int, Sequence[Sequence[str]]], graphs: Sequence[int]) -> set[str]:
+    """Parameters bucketed by ``graphs``.
+
+    Example:
+        >>> sorted(claimed_by({0: [["a"], ["b"]]}, [0]))
+        ['a', 'b']
+    """
+    return {p for g in graphs for b in graph_buckets.get(g, ()) for p in b}
+
+
+def _groups(
+    graph_buckets: Mapping[int, Sequence[Sequence[str]]], graphs: Sequence[int], names: Sequence[str]
+) -> tuple[list[list[str]], int]:
+    """Parameter groups in launch order, and the index of the first group of the tail."""
+    claimed: set[str] = set()
+    per_graph = []
+    # First use wins: claim graphs in forward order, launch them in reverse.
+    for g in graphs:
+        mine = [[p for p in b if p not in claimed] for b in graph_buckets.get(g, ())]
+        claimed.update(p for b in mine for p in b)
+        per_graph.append(mine)
+    groups: list[list[str]] = []
+    for mine in reversed(per_graph):
+        groups.extend(b for b in mine if b)
+    # The tail: the first forward segment's bucket and the trailing bucket, both final
+    # only when backward ends.
+    tail_from = max(len(groups) - 1, 0)
+    rest = [n for n in reversed(list(names)) if n not in claimed]
+    if rest:
+        groups.append(rest)
+    return groups, tail_from
+
+
+def build_schedule(
+    graph_buckets: Mapping[int, Sequence[Sequence[str]]],
+    graphs: Sequence[int],
+    params: Mapping[str, torch.nn.Parameter],
+    *,
+    sparse: set[int],
+    compression: str | None,
+    compress_tail_only: bool,
+    grad_as_view: bool,
+) -> list[Bucket]:
+    """The step's buckets in launch order: one flat bucket per group and dtype, one sparse
+    bucket per parameter with a sparse gradient (``sparse``: their ``id``).
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> order = build_schedule({0: [["weight", "bias"]]}, [0], dict(lin.named_parameters()),
+        ...                        sparse=set(), compression=None, compress_tail_only=False, grad_as_view=False)
+        >>> [b.names for b in order]
+        [['weight', 'bias']]
+    """
+    groups, tail_from = _groups(graph_buckets, graphs, list(params))
+    order: list[Bucket] = []
+    for g, names in enumerate(groups):
+        scheme = compression if g >= tail_from or not compress_tail_only else None
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[tuple[str, torch.nn.Parameter]]] = {}
+        for n in names:
+            p = params[n]
+            if id(p) in sparse:
+                order.append(SparseBucket(len(order), n, p))
+            else:
+                by_dtype.setdefault((p.dtype, p.device), []).append((n, p))
+        for members in by_dtype.values():
+            order.append(FlatBucket(len(order), members, compression=scheme, grad_as_view=grad_as_view))
+    return order
