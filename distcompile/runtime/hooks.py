@@ -99,7 +99,7 @@ class CommHook:
     ) -> torch.futures.Future:
         """Call the hook on one bucket; its future, checked to be one."""
         fut = self.hook(self.state, GradBucketView(index, is_last, buffer, params))
-        if not isinstance(fut, torch.futures.Future):
+        if not (callable(getattr(fut, "wait", None)) and callable(getattr(fut, "then", None))):
             raise UnsupportedModelError(
                 f"communication hook {self.name!r} returned a {type(fut).__name__}; DDP's contract is a "
                 "torch.futures.Future whose value is the reduced bucket buffer (e.g. "

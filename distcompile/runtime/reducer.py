@@ -105,6 +105,7 @@ class BucketReducer:
         self.comm_hook = comm_hook
         self._pending_hook: tuple[CommHook | None, str | None] | None = None
         self._last_order: list[Bucket] | None = None  # the last synchronized step's (Join shadows it)
+        self._last_hooked: torch.futures.Future | None = None  # the previous bucket's hook (one at a time)
         self.optimizers = OptimizersInBackward(self.params)
         self.observer = observer
         self.detect_nonfinite = detect_nonfinite
@@ -208,6 +209,7 @@ class BucketReducer:
             return
         if step.order is None:
             step.order, self._locate = self._schedule(tuple(step.graphs))
+            self._last_hooked = None
             step.started = time.perf_counter()
             compat.queue_engine_callback(self._finish_step)
         bucket, i = self._locate[id(param)]
@@ -231,12 +233,30 @@ class BucketReducer:
             bucket = order[step.cursor]
             if not all_remaining and bucket.n_ready < len(bucket.params):
                 return
+            if not self._previous_hook_done(bucket, wait=all_remaining):
+                return
             self._launch(bucket, self._scale(step), is_last=step.cursor == len(order) - 1)
             step.cursor += 1
 
+    def _previous_hook_done(self, bucket: Bucket, *, wait: bool) -> bool:
+        """Under a communication hook, one bucket's hook at a time: the next is called once the
+        previous one's future is done. A hook may issue more collectives from its futures'
+        callbacks, on the process group's threads (PowerSGD does, and waits there); two chains
+        at once could order them differently on two ranks, or, on gloo, leave no thread to run
+        them (eager DDP with PowerSGD and three buckets hung on gloo in our runs)."""
+        previous = self._last_hooked
+        if self.comm_hook is None or not isinstance(bucket, FlatBucket) or previous is None:
+            return True
+        if wait:
+            previous.wait()
+        return previous.done()
+
     def _launch(self, bucket: Bucket, scale: float, *, is_last: bool) -> None:
         try:
-            future = bucket.launch(self.group, scale, hook=self.comm_hook, is_last=is_last)
+            hook = self.comm_hook if isinstance(bucket, FlatBucket) else None
+            future = bucket.launch(self.group, scale, hook=hook, is_last=is_last)
+            if hook is not None:
+                self._last_hooked = future
             if self.observer is not None:
                 self.observer.bucket_launched(bucket.index, bucket.nbytes, len(bucket.params), future)
         except DistCompileError:
@@ -277,8 +297,10 @@ class BucketReducer:
                 "the buckets the other ranks all-reduce and cannot take part. Give every rank at least "
                 "one batch inside the Join context."
             )
+        self._last_hooked = None
         for i, bucket in enumerate(order):
             bucket.reset()
+            self._previous_hook_done(bucket, wait=True)
             self._launch(bucket, 1.0 / self.world_size, is_last=i == len(order) - 1)
         self._wait_and_write(order, write=False)
 

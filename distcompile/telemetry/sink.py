@@ -23,7 +23,6 @@ from .instrument import instrument
 from .timeline import Span, chrome_trace, overlap_pct, union
 
 if TYPE_CHECKING:
-
     from ..runtime.reducer import StepStats
 
 __all__ = ["Telemetry", "require_extra"]

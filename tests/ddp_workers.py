@@ -1,0 +1,301 @@
+"""Rank functions of the DDP-parity tests (tests/runtime/test_ddp_parity.py): each DDP feature
+used the same way on eager DDP and on distcompile.wrap(DDP), compared step by step."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, post_localSGD_hook, powerSGD_hook
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distcompile
+from tests.models import BUILDERS, batch, loss_fn
+
+
+def average_hook(state, bucket):  # noqa: ANN001, ANN201 - DDP refuses string annotations on a hook
+    """A user's own hook that checks the GradBucket contract as it goes, then averages."""
+    grads, params, buf = bucket.gradients(), bucket.parameters(), bucket.buffer()
+    assert len(grads) == len(params) and sum(g.numel() for g in grads) == buf.numel()
+    assert all(g.shape == p.shape for g, p in zip(grads, params))
+    assert grads[0].data_ptr() == buf.data_ptr(), "gradients() are views of buffer()"
+    state.append((bucket.index(), bucket.is_last(), len(params)))
+    buf.div_(dist.get_world_size())
+    return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def summing_hook(state, bucket):  # noqa: ANN001, ANN201 - as average_hook
+    """Sums instead of averaging: a hook that is ignored leaves the average, visibly different."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def _hook(case: str) -> tuple[object, Callable] | None:
+    if case in ("average", "average_after_wrap", "average_on_ddp", "join_hook"):
+        return [], average_hook
+    if case == "summing":
+        return None, summing_hook
+    if case == "powersgd":
+        return powerSGD_hook.PowerSGDState(
+            None, matrix_approximation_rank=1, start_powerSGD_iter=2
+        ), powerSGD_hook.powerSGD_hook
+    if case == "batched_powersgd":
+        return powerSGD_hook.PowerSGDState(
+            None, matrix_approximation_rank=1, start_powerSGD_iter=2
+        ), powerSGD_hook.batched_powerSGD_hook
+    if case == "noop":
+        return None, debugging_hooks.noop_hook
+    return None
+
+
+def hook_parity(rank: int, world: int, case: str, steps: int = 5, caps: tuple = (0.02, 0.02)) -> dict:
+    """Train eager DDP and distcompile with the same communication hook; losses and parameters.
+
+    ``case``: the hook, and where it is registered on distcompile: before wrap (on the DDP
+    model), ``*_after_wrap`` on the returned module, ``*_on_ddp`` on the DDP object after wrap.
+    ``caps``: the bucket caps (MiB) of eager DDP and of distcompile (0.02: 3 buckets, 25: 1).
+    """
+    torch.manual_seed(0)
+    base = BUILDERS["mlp_seq"]()
+    ref, ours_ddp = (DDP(copy.deepcopy(base), bucket_cap_mb=cap) for cap in caps)
+    state_ref, hook = _hook(case)
+    state_ours = copy.deepcopy(state_ref)
+    ref.register_comm_hook(state_ref, hook)
+    if not case.endswith(("_after_wrap", "_on_ddp")):
+        ours_ddp.register_comm_hook(state_ours, hook)
+    ours = distcompile.wrap(ours_ddp, backend="aot_eager")
+    if case.endswith("_after_wrap"):
+        ours.register_comm_hook(state_ours, hook)
+    elif case.endswith("_on_ddp"):
+        ours_ddp.register_comm_hook(state_ours, hook)
+    return _train(rank, ref, ours, steps) | {
+        "calls": (state_ref, state_ours) if isinstance(state_ref, list) else None
+    }
+
+
+def _train(rank: int, ref: nn.Module, ours: nn.Module, steps: int, *, name: str = "mlp_seq") -> dict:
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, ours)]
+    losses = []
+    for step in range(steps):
+        pair = []
+        for model, opt in zip((ref, ours), opts):
+            x, y = batch(name, rank, step)
+            loss = loss_fn(name, model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(float(loss.detach()))
+        losses.append(pair)
+    return {
+        "losses": losses,
+        "ref_params": [p.detach().clone() for p in ref.module.parameters()],
+        "params": [p.detach().clone() for p in ours.module.parameters()],
+    }
+
+
+def post_local_sgd(rank: int, world: int, steps: int = 6) -> dict:
+    """post_localSGD_hook + PeriodicModelAverager on an explicit subgroup, both sides."""
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+    torch.manual_seed(0)
+    base = BUILDERS["mlp_seq"]()
+    subgroup = dist.new_group([0, 1])
+    models, averagers = [], []
+    for wrap in (False, True):
+        ddp = DDP(copy.deepcopy(base), bucket_cap_mb=0.02)
+        state = post_localSGD_hook.PostLocalSGDState(
+            process_group=None, subgroup=subgroup, start_localSGD_iter=2
+        )
+        ddp.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
+        models.append(distcompile.wrap(ddp, backend="aot_eager") if wrap else ddp)
+        averagers.append(PeriodicModelAverager(period=2, warmup_steps=2))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    losses = []
+    for step in range(steps):
+        pair = []
+        for model, opt, avg in zip(models, opts, averagers):
+            x, y = batch("mlp_seq", rank, step)
+            loss = loss_fn("mlp_seq", model(x), y)
+            loss.backward()
+            opt.step()
+            avg.average_parameters(model.module.parameters())  # the parameters that have gradients
+            opt.zero_grad()
+            pair.append(float(loss.detach()))
+        losses.append(pair)
+    ref, ours = models
+    return {
+        "losses": losses,
+        "ref_params": [p.detach().clone() for p in ref.module.parameters()],
+        "params": [p.detach().clone() for p in ours.module.parameters()],
+    }
+
+
+def join_parity(rank: int, world: int, case: str) -> dict:
+    """Uneven inputs (rank r trains 3 + 2r batches) under Join, eager DDP then distcompile.
+
+    ``case``: ``"model"`` (``Join([model])``), ``"ddp"`` (``Join([ddp])`` on the adopted DDP
+    object), ``"method"`` (``model.join(divide_by_initial_world_size=False)``), ``"hook"`` (with
+    a user's averaging hook registered on both).
+    """
+    torch.manual_seed(0)
+    base = BUILDERS["mlp_seq"]()
+    ref, ours_ddp = (DDP(copy.deepcopy(base), bucket_cap_mb=0.02) for _ in range(2))
+    if case == "hook":
+        ref.register_comm_hook([], average_hook)
+        ours_ddp.register_comm_hook([], average_hook)
+    ours = distcompile.wrap(ours_ddp, backend="aot_eager")
+    contexts = {
+        "model": lambda: (Join([ref]), Join([ours])),
+        "hook": lambda: (Join([ref]), Join([ours])),
+        "ddp": lambda: (Join([ref]), Join([ours_ddp])),
+        "method": lambda: (
+            ref.join(divide_by_initial_world_size=False),
+            ours.join(divide_by_initial_world_size=False),
+        ),
+    }[case]()
+    out: dict = {"losses": []}
+    for model, ctx in zip((ref, ours), contexts):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses = []
+        with ctx:
+            for step in range(3 + 2 * rank):
+                x, y = batch("mlp_seq", rank, step)
+                loss = loss_fn("mlp_seq", model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(float(loss.detach()))
+        out["losses"].append(losses)
+    out["ref_params"] = [p.detach().clone() for p in ref.module.parameters()]
+    out["params"] = [p.detach().clone() for p in ours.module.parameters()]
+    return out
+
+
+class _SparseNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16, sparse=True)
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids).mean(1))
+
+
+def sparse_parity(rank: int, world: int, optimizer: str) -> dict:
+    """nn.Embedding(sparse=True): SGD, or SparseAdam on the embedding and Adam on the rest."""
+    torch.manual_seed(0)
+    base = _SparseNet()
+    ref, ours_ddp = (DDP(copy.deepcopy(base)) for _ in range(2))
+    ours = distcompile.wrap(ours_ddp, backend="aot_eager")
+
+    def opts(m: nn.Module) -> list[torch.optim.Optimizer]:
+        if optimizer == "sgd":
+            return [torch.optim.SGD(m.parameters(), lr=0.1)]
+        inner = m.module
+        return [
+            torch.optim.SparseAdam([inner.emb.weight], lr=0.01),
+            torch.optim.Adam(inner.head.parameters(), lr=0.01),
+        ]
+
+    pairs = [(m, opts(m)) for m in (ref, ours)]
+    losses = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        ids, y = torch.randint(0, 50, (4, 6), generator=g), torch.randn(4, 8, generator=g)
+        pair = []
+        for model, model_opts in pairs:
+            loss = nn.functional.mse_loss(model(ids), y)
+            loss.backward()
+            assert model.module.emb.weight.grad.is_sparse
+            for opt in model_opts:
+                opt.step()
+                opt.zero_grad()
+            pair.append(float(loss.detach()))
+        losses.append(pair)
+    return {
+        "losses": losses,
+        "ref_params": [p.detach().clone() for p in ref.module.parameters()],
+        "params": [p.detach().clone() for p in ours.module.parameters()],
+    }
+
+
+def optimizer_in_backward(rank: int, world: int) -> dict:
+    """``_apply_optimizer_in_backward(SGD)`` before DDP, against eager DDP with the same SGD after
+    backward (the same arithmetic: eager DDP's own optimizer-in-backward path needs an accelerator)."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    torch.manual_seed(0)
+    base = BUILDERS["mlp_seq"]()
+    ref = DDP(copy.deepcopy(base), bucket_cap_mb=0.02)
+    net = copy.deepcopy(base)
+    _apply_optimizer_in_backward(torch.optim.SGD, net.parameters(), {"lr": 0.05})
+    ours = distcompile.wrap(DDP(net, bucket_cap_mb=0.02), backend="aot_eager")
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    grads_after = []
+    losses = []
+    for step in range(4):
+        x, y = batch("mlp_seq", rank, step)
+        loss_ref = loss_fn("mlp_seq", ref(x), y)
+        loss_ref.backward()
+        opt.step()
+        opt.zero_grad()
+        loss = loss_fn("mlp_seq", ours(x), y)
+        loss.backward()  # the parameters step here
+        grads_after.append(all(p.grad is None for p in ours.module.parameters()))
+        losses.append([float(loss_ref.detach()), float(loss.detach())])
+    return {
+        "losses": losses,
+        "grads_none": grads_after,
+        "ref_params": [p.detach().clone() for p in ref.module.parameters()],
+        "params": [p.detach().clone() for p in ours.module.parameters()],
+    }
+
+
+def delayed_params(rank: int, world: int) -> dict:
+    """``DDP(delay_all_reduce_named_params=..., param_to_hook_all_reduce=...)``: still averaged."""
+    torch.manual_seed(0)
+    base = BUILDERS["mlp_seq"]()
+
+    def build() -> DDP:
+        net = copy.deepcopy(base)
+        named = dict(net.named_parameters())
+        # DDP all-reduces the delayed ones when the hooked parameter's gradient is ready: the
+        # head's are ready first in backward, the first layer's last.
+        delayed = [(n, named[n]) for n in ("6.weight", "6.bias")]
+        return DDP(net, delay_all_reduce_named_params=delayed, param_to_hook_all_reduce=named["0.0.weight"])
+
+    ref, ours_ddp = build(), build()
+    return _train(rank, ref, distcompile.wrap(ours_ddp, backend="aot_eager"), 4)
+
+
+def ddp_surface(rank: int, world: int) -> dict:
+    """What a DDP user touches on the returned module, and on the DDP object after wrap."""
+    ddp = DDP(BUILDERS["mlp_seq"](), bucket_cap_mb=0.02)
+    model = distcompile.wrap(ddp, backend="eager")
+    out: dict = {
+        "process_group": model.process_group is dist.group.WORLD,
+        "device_ids": model.device_ids,
+        "bucket_bytes_cap": model.bucket_bytes_cap,
+        "join_device": str(model.join_device),
+        "hasattr_logging": hasattr(model, "_get_ddp_logging_data"),
+        "state_dict_keys": sorted(model.state_dict())[:2],
+        "named": [n for n, _ in model.named_parameters()][:2],
+    }
+    model._set_static_graph()
+    try:
+        model._get_ddp_logging_data()
+    except distcompile.UnsupportedModelError as exc:
+        out["ddp_only"] = str(exc)
+    try:
+        _ = model.not_a_thing
+    except AttributeError as exc:
+        out["plain"] = (type(exc).__name__, str(exc))
+    model.eval()
+    out["eval"] = (model.training, model.module.training)
+    model.train()
+    model.close()
+    out["restored"] = "register_comm_hook" not in vars(ddp)
+    return out
