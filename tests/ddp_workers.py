@@ -222,33 +222,47 @@ def sparse_parity(rank: int, world: int, optimizer: str) -> dict:
     }
 
 
-def optimizer_in_backward(rank: int, world: int) -> dict:
-    """``_apply_optimizer_in_backward(SGD)`` before DDP, against eager DDP with the same SGD after
-    backward (the same arithmetic: eager DDP's own optimizer-in-backward path needs an accelerator)."""
+def optimizer_in_backward(rank: int, world: int, when: str = "before") -> dict:
+    """``_apply_optimizer_in_backward(SGD)`` against eager DDP with the same SGD after backward (the
+    same arithmetic: eager DDP's own optimizer-in-backward path needs an accelerator).
+
+    ``when``: applied before ``DDP(...)`` (as DDP supports), after ``wrap``, or after the first
+    step (both sides skip the optimizer at step 0 then).
+    """
     from torch.distributed.optim import _apply_optimizer_in_backward
 
     torch.manual_seed(0)
     base = BUILDERS["mlp_seq"]()
     ref = DDP(copy.deepcopy(base), bucket_cap_mb=0.02)
     net = copy.deepcopy(base)
-    _apply_optimizer_in_backward(torch.optim.SGD, net.parameters(), {"lr": 0.05})
+
+    def apply() -> None:
+        _apply_optimizer_in_backward(torch.optim.SGD, net.parameters(), {"lr": 0.05})
+
+    if when == "before":
+        apply()
     ours = distcompile.wrap(DDP(net, bucket_cap_mb=0.02), backend="aot_eager")
+    if when == "after_wrap":
+        apply()
     opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    grads_after = []
-    losses = []
+    grads_after, losses = [], []
     for step in range(4):
         x, y = batch("mlp_seq", rank, step)
         loss_ref = loss_fn("mlp_seq", ref(x), y)
         loss_ref.backward()
-        opt.step()
+        if step > 0 or when != "after_first_step":
+            opt.step()
         opt.zero_grad()
         loss = loss_fn("mlp_seq", ours(x), y)
         loss.backward()  # the parameters step here
         grads_after.append(all(p.grad is None for p in ours.module.parameters()))
+        if step == 0 and when == "after_first_step":
+            ours.zero_grad()
+            apply()
         losses.append([float(loss_ref.detach()), float(loss.detach())])
     return {
         "losses": losses,
-        "grads_none": grads_after,
+        "grads_none": grads_after[1:],
         "ref_params": [p.detach().clone() for p in ref.module.parameters()],
         "params": [p.detach().clone() for p in ours.module.parameters()],
     }

@@ -20,13 +20,26 @@ def verify_run(
     """Train ``steps`` steps with verify=True; return what was checked or the error's text.
 
     ``inject``: ``"param"`` (a hook overwrites a parameter during backward, on rank 1 only),
-    ``"user_hook"`` (a gradient hook on a parameter, different per rank),
+    ``"user_hook"`` (a gradient hook on a parameter, different per rank), ``"optim_in_backward"``,
+    ``"powersgd"`` (a communication hook compressing from the first step),
     ``"grad"`` (the compiled backward scales gradients), ``"lengths"`` (sequence lengths
     16, 9, 12: two recompiles), ``"no_sync"`` (each step accumulates two micro-batches).
     """
     torch.manual_seed(0)
     net = GradWrongWhenCompiled() if inject == "grad" else BUILDERS[model_name]()
-    model = distcompile.wrap(DDP(net), backend=backend, verify=True, dynamic=False)
+    if inject == "optim_in_backward":  # its parameters change in backward by design
+        from torch.distributed.optim import _apply_optimizer_in_backward
+
+        _apply_optimizer_in_backward(torch.optim.SGD, net.parameters(), {"lr": 0.05})
+    ddp = DDP(net)
+    if inject == "powersgd":  # the hook's approximation is not eager DDP's average, by design
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        ddp.register_comm_hook(
+            psgd.PowerSGDState(None, start_powerSGD_iter=1, use_error_feedback=False, warm_start=False),
+            psgd.powerSGD_hook,
+        )
+    model = distcompile.wrap(ddp, backend=backend, verify=True, dynamic=False)
     if inject == "param" and rank == 1:
         dict(model.module.named_parameters())["0.0.weight"].register_post_accumulate_grad_hook(_halve)
     if inject == "user_hook":  # legal: eager DDP reduces the hooked gradient, and so must the check

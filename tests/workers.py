@@ -202,10 +202,21 @@ def collective_counts(rank: int, world: int) -> dict:
     }
 
 
-def custom_hook(rank: int, world: int) -> str:
+def _returns_a_tensor(state, bucket):  # noqa: ANN001, ANN201 - DDP refuses string annotations
+    return bucket.buffer()
+
+
+def custom_hook(rank: int, world: int) -> dict:
+    """A hook and compression= both, and a hook that breaks DDP's contract: clear errors."""
     ddp = DDP(BUILDERS["mlp_seq"]())
     ddp.register_comm_hook(None, _bf16_reference_hook)
-    return _error_text(distcompile.UnsupportedModelError, lambda: distcompile.wrap(ddp))
+    both = _error_text(distcompile.ConfigError, lambda: distcompile.wrap(ddp, compression="bf16"))
+    model = distcompile.wrap(DDP(BUILDERS["mlp_seq"]()), backend="eager")
+    model.register_comm_hook(None, _returns_a_tensor)
+    broken = _error_text(
+        distcompile.UnsupportedModelError, lambda: model(torch.randn(4, 64)).sum().backward()
+    )
+    return {"both": both, "broken": broken}
 
 
 def telemetry_run(rank: int, world: int, logdir: str, all_ranks: bool) -> dict:

@@ -132,6 +132,8 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
                 where=self._where,
                 tolerance=config.verify_tolerance,
                 compressed=settings.compression is not None,
+                stepped=lambda: self._reducer.optimizers.ids,
+                hooked=lambda: self._reducer.comm_hook.name if self._reducer.comm_hook else "",
             )
             if config.verify
             else None

@@ -90,8 +90,11 @@ def test_sparse_embedding_gradients(optimizer: str) -> None:
     _check(run_ranks(ddp_workers.sparse_parity, 2, optimizer))
 
 
-def test_the_optimizer_in_backward_steps_on_averaged_gradients() -> None:
-    results = run_ranks(ddp_workers.optimizer_in_backward, 2)
+@pytest.mark.parametrize("when", ["before", "after_wrap", "after_first_step"])
+def test_the_optimizer_in_backward_steps_on_averaged_gradients(when: str) -> None:
+    # Applied after wrap, even after training started, it is taken up at the next forward:
+    # never left stepping each rank on its own gradient.
+    results = run_ranks(ddp_workers.optimizer_in_backward, 2, when)
     _check(results)
     assert all(all(r["grads_none"]) for r in results)  # as under DDP: .grad is None after backward
 

@@ -8,10 +8,12 @@ from tests import verify_workers, workers
 from tests.harness import run_ranks
 
 
-def test_custom_comm_hook_rejected() -> None:
-    for msg in run_ranks(workers.custom_hook, 2):
-        assert "communication hook '_bf16_reference_hook'" in msg
-        assert "compression=" in msg
+def test_a_comm_hook_with_compression_or_without_a_future_is_a_clear_error() -> None:
+    for res in run_ranks(workers.custom_hook, 2):
+        assert (
+            "compression='bf16' and the DDP model's communication hook '_bf16_reference_hook'" in res["both"]
+        )
+        assert "'_returns_a_tensor' returned a Tensor" in res["broken"] and "Future" in res["broken"], res
 
 
 def test_desync_on_different_shapes_raises_on_every_rank() -> None:
