@@ -313,3 +313,27 @@ def ddp_surface(rank: int, world: int) -> dict:
     model.close()
     out["restored"] = "register_comm_hook" not in vars(ddp)
     return out
+
+
+def subgroup_and_ignored(rank: int, world: int) -> dict | None:
+    """A DDP on ``new_group([0, 1])`` in a world of 3 (rank 2 trains nothing), with a parameter
+    DDP was told to ignore (``_set_params_and_buffers_to_ignore_for_model``): it stays local."""
+    sub = dist.new_group([0, 1])
+    if rank == 2:
+        return None
+    torch.manual_seed(0)
+    base = BUILDERS["mlp_seq"]()
+    DDP._set_params_and_buffers_to_ignore_for_model(base, ["6.bias"])
+    ref, ours_ddp = (DDP(copy.deepcopy(base), process_group=sub, bucket_cap_mb=0.02) for _ in range(2))
+    return _train(rank, ref, distcompile.wrap(ours_ddp, backend="aot_eager"), 3)
+
+
+def mixed_precision(rank: int, world: int) -> str:
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    ddp = DDP(BUILDERS["mlp_seq"](), mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
+    try:
+        distcompile.wrap(ddp)
+    except distcompile.UnsupportedModelError as exc:
+        return str(exc)
+    return "no error"

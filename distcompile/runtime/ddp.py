@@ -290,7 +290,9 @@ def bucket_caps(
 
     The cap is ``bucket_cap_mb``, else the DDP model's, else DDP's default (25 MiB). The
     first bucket is ``first_bucket_cap_mb``, else 1 MiB when the cap is DDP's default, else
-    the cap (as in DDP, an explicit ``bucket_cap_mb`` also sizes the first bucket).
+    the cap (as in DDP, an explicit ``bucket_cap_mb`` also sizes the first bucket). A DDP
+    built with ``bucket_cap_mb_list`` gives the first bucket its first size and every
+    other bucket its largest (distcompile's buckets also follow the graph's segments).
 
     Example:
         >>> bucket_caps(nn.Linear(1, 1), bucket_cap_mb=None, first_bucket_cap_mb=None)
@@ -309,4 +311,7 @@ def bucket_caps(
     )
     if first_bucket_cap_mb is not None:
         return cap, min(int(first_bucket_cap_mb * _MB), cap)
+    per_bucket = list(getattr(model, "bucket_bytes_cap_list", None) or ())
+    if bucket_cap_mb is None and per_bucket:  # DDP(bucket_cap_mb_list=...): its first, then its largest
+        return cap, min(int(per_bucket[0]), cap)
     return cap, (min(DEFAULT_FIRST_BUCKET_BYTES, cap) if default else cap)

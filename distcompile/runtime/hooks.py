@@ -124,6 +124,14 @@ def adopt_hook(
     """
     if not callable(hook):
         raise UnsupportedModelError(f"register_comm_hook got hook={hook!r}, which is not callable.")
+    if getattr(hook, "__qualname__", "").startswith("hook_with_zero_step"):
+        # ZeroRedundancyOptimizer(overlap_with_ddp=True) steps only from inside this hook and
+        # reads DDP's bucket rebuilding state; on distcompile it would never step.
+        raise UnsupportedModelError(
+            f"communication hook {hook.__qualname__!r} (ZeRO's step inside DDP's hook) reads DDP's own "
+            "bucket state and is not supported by distcompile (torch refuses it on gloo, so it was never "
+            "run here). Use ZeroRedundancyOptimizer without overlap_with_ddp: it works as an ordinary optimizer."
+        )
     if hook in _FUSED and _same_group(state, group):
         return None, _FUSED[hook]
     return CommHook(hook, state), None

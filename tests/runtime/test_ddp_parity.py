@@ -116,3 +116,19 @@ def test_the_ddp_surface_works_or_names_the_alternative() -> None:
         assert "DistributedDataParallel's" in res["ddp_only"] and "docs/ddp-parity.md" in res["ddp_only"]
         assert res["plain"][0] == "AttributeError" and "not_a_thing" in res["plain"][1]
         assert res["eval"] == (False, False) and res["restored"]
+
+
+def test_a_subgroup_in_a_larger_world_and_an_ignored_parameter() -> None:
+    r0, r1, idle = run_ranks(ddp_workers.subgroup_and_ignored, 3)
+    assert idle is None
+    _check([r0, r1], in_sync=False)
+    for i, (a, b) in enumerate(zip(r0["params"], r1["params"])):
+        if i == 13:  # 6.bias: ignored, so each rank keeps its own
+            assert not np.array_equal(a, b)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=f"param {i}")
+
+
+def test_ddp_mixed_precision_is_refused_with_the_alternative() -> None:
+    for msg in run_ranks(ddp_workers.mixed_precision, 2):
+        assert "mixed_precision" in msg and "torch.autocast" in msg and "compression='bf16'" in msg, msg

@@ -145,3 +145,28 @@ def test_used_flags_and_the_observer_see_every_bucket(single_rank_group) -> None
     _step(model, r, torch.randn(3, 4), use_b=False)  # layer 1 unused: its flags are 0
     assert [b.wire[b.numel :].tolist() for b in order] == [[0.0, 0.0], [1.0, 1.0]]
     assert seen.ended == [0, 1]
+
+
+def test_ddp_bucket_cap_list_sizes_the_first_bucket_and_the_rest(single_rank_group) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from distcompile.runtime.ddp import bucket_caps
+
+    ddp = DDP(nn.Linear(4, 4), bucket_cap_mb_list=[1, 4, 8])
+    assert bucket_caps(ddp, bucket_cap_mb=None, first_bucket_cap_mb=None) == (8 * 2**20, 2**20)
+    assert bucket_caps(ddp, bucket_cap_mb=2, first_bucket_cap_mb=None) == (
+        2 * 2**20,
+        2 * 2**20,
+    )  # wrap's wins
+
+
+def test_zero_step_hooks_are_refused_not_left_to_never_step() -> None:
+    import distcompile
+    from distcompile.runtime.hooks import adopt_hook
+
+    def hook_with_zero_fn(state, bucket):  # noqa: ANN001, ANN202 - the name torch's factory gives
+        return None
+
+    hook_with_zero_fn.__qualname__ = "hook_with_zero_step.<locals>.hook_with_zero_fn"
+    with pytest.raises(distcompile.UnsupportedModelError, match="without overlap_with_ddp"):
+        adopt_hook(hook_with_zero_fn, None, None)
