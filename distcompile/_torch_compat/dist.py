@@ -18,7 +18,9 @@ __all__ = [
     "ddp_uses_python_reducer",
     "default_store",
     "is_fsdp_module",
+    "join_config",
     "optimizer_in_backward_count",
+    "optimizers_in_backward",
     "queue_engine_callback",
     "remove_optimizer_in_backward_hooks",
     "tensor_grad_hooks",
@@ -170,6 +172,28 @@ def optimizer_in_backward_count() -> int:
         return 0
     handles = getattr(m, "param_to_optim_hook_handle_map", None)
     return sum(len(h) for h in handles.values()) if handles else 0
+
+
+def optimizers_in_backward(param: torch.Tensor) -> list:
+    """The optimizers ``_apply_optimizer_in_backward`` gave ``param`` (empty if none). Checked: 2.13.
+
+    Example:
+        >>> optimizers_in_backward(torch.zeros(1))
+        []
+    """
+    return list(getattr(param, "_in_backward_optimizers", None) or [])
+
+
+def join_config(joinable: object) -> Any:
+    """The ``_JoinConfig`` a ``Join`` context set on ``joinable`` (``None`` if it never was).
+
+    Checked: 2.13 (``torch.distributed.algorithms.join``: ``Join._set_joinable_configs``).
+
+    Example:
+        >>> join_config(object()) is None
+        True
+    """
+    return getattr(joinable, "_join_config", None)
 
 
 def remove_optimizer_in_backward_hooks(params: list[torch.Tensor]) -> None:

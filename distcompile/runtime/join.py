@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
+from .. import _torch_compat as compat
 from .collectives import broadcast_coalesced
 
 __all__ = ["DistJoinHook", "notify_join", "sync_flag", "take_last_joiner_state"]
@@ -25,7 +26,7 @@ __all__ = ["DistJoinHook", "notify_join", "sync_flag", "take_last_joiner_state"]
 def notify_join(joinables: Sequence[object]) -> dist.Work | None:
     """Tell an enclosing ``Join`` this rank still trains (the first joinable with a config speaks)."""
     for joinable in joinables:
-        config = getattr(joinable, "_join_config", None)
+        config = compat.join_config(joinable)
         if config is not None and config.enable and config.is_first_joinable:
             return Join.notify_join_context(joinable)
     return None
@@ -33,7 +34,7 @@ def notify_join(joinables: Sequence[object]) -> dist.Work | None:
 
 def join_enabled(joinables: Sequence[object]) -> bool:
     """Whether one of ``joinables`` is in an enabled ``Join`` context."""
-    return any(getattr(getattr(j, "_join_config", None), "enable", False) for j in joinables)
+    return any(getattr(compat.join_config(j), "enable", False) for j in joinables)
 
 
 def sync_flag(syncs: bool, *, device: torch.device, group: dist.ProcessGroup | None, joined: bool) -> bool:

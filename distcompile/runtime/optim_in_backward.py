@@ -40,7 +40,7 @@ class OptimizersInBackward:
         """Take torch's own step-on-local-gradient hooks off parameters that got optimizers."""
         if compat.optimizer_in_backward_count() == 0:  # none registered, or all taken off
             return
-        found = [p for p in self.params.values() if getattr(p, "_in_backward_optimizers", None)]
+        found = [p for p in self.params.values() if compat.optimizers_in_backward(p)]
         compat.remove_optimizer_in_backward_hooks(found)  # also hooks added again to known ones
         new = {id(p) for p in found} - self.ids
         if new:
@@ -55,7 +55,7 @@ class OptimizersInBackward:
             return
         for p in params:
             if id(p) in self.ids and p.grad is not None:
-                for opt in p._in_backward_optimizers:  # type: ignore[attr-defined]
+                for opt in compat.optimizers_in_backward(p):
                     opt.step()
 
     def end_step(self) -> None:

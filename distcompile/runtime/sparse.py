@@ -53,7 +53,7 @@ class SparseBucket:
         sent = self._sent
         if sent is None:
             return 0
-        return sent._values().numel() * sent.element_size() + sent._indices().numel() * 8
+        return sent.values().numel() * sent.element_size() + sent.indices().numel() * 8
 
     def reset(self) -> None:
         self.ready = [False]
@@ -84,12 +84,12 @@ class SparseBucket:
             raise RuntimeError(f"bucket {self.index}: wait() before launch()")
         work, self.work = self.work, None
         work.wait()
-        self._sent = work.result()[0]
+        self._sent = work.result()[0].coalesce()  # values()/indices() need a coalesced tensor
 
     def write(self, used: torch.Tensor | None = None) -> None:
         """``.grad`` is the reduced sparse gradient; left as it was if no rank produced one."""
         p, result = self.params[0], self._sent
-        if result is None or (result._nnz() == 0 and not self.produced[0]):
+        if result is None or (result.values().shape[0] == 0 and not self.produced[0]):
             return
         p.grad = result
 
@@ -99,4 +99,4 @@ class SparseBucket:
 
     def nonfinite(self) -> list[str]:
         sent = self._sent
-        return [] if sent is None or bool(torch.isfinite(sent._values()).all()) else list(self.names)
+        return [] if sent is None or bool(torch.isfinite(sent.values()).all()) else list(self.names)

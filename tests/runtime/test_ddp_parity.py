@@ -35,14 +35,13 @@ def _check(results: list[dict], *, in_sync: bool = True) -> None:
                 np.testing.assert_array_equal(a, b, err_msg=f"param {i}: rank 0 and rank {rank} apart")
 
 
-# Each feature once in the README's command, its variants in the long set (under 10 minutes).
 @pytest.mark.parametrize(
     "case",
     [
         "average",
         "average_on_ddp",
-        pytest.param("average_after_wrap", marks=pytest.mark.long),
-        pytest.param("summing", marks=pytest.mark.long),
+        "average_after_wrap",
+        "summing",
     ],
 )
 def test_a_users_hook_runs_on_distcompiles_buckets_wherever_it_is_registered(case: str) -> None:
@@ -63,7 +62,6 @@ def test_powersgd_matches_eager_ddp_with_the_same_buckets() -> None:
     _check(run_ranks(ddp_workers.hook_parity, 2, "powersgd", 6, (25, 25)))
 
 
-@pytest.mark.long
 def test_powersgd_on_three_buckets_trains_where_eager_ddp_hangs() -> None:
     """distcompile calls one bucket's hook at a time; against eager DDP's one bucket: the
     compression differs per bucket, so losses are close, not equal, and the ranks agree."""
@@ -74,24 +72,16 @@ def test_powersgd_on_three_buckets_trains_where_eager_ddp_hangs() -> None:
     _check([dict(r, ref_params=r["params"], losses=[]) for r in results])
 
 
-@pytest.mark.long
 def test_noop_hook_keeps_local_gradients_as_under_ddp() -> None:
     _check(run_ranks(ddp_workers.hook_parity, 2, "noop"), in_sync=False)
 
 
-@pytest.mark.long
 def test_post_local_sgd_with_a_periodic_model_averager() -> None:
     _check(run_ranks(ddp_workers.post_local_sgd, 2))
 
 
-@pytest.mark.parametrize(
-    ("case", "world"),
-    [("model", 2), ("ddp", 2)]
-    + [
-        pytest.param(c, w, marks=pytest.mark.long)
-        for c, w in [("method", 2), ("hook", 2), ("model", 3), ("ddp", 3), ("method", 3), ("hook", 3)]
-    ],
-)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", ["model", "ddp", "method", "hook"])
 def test_join_on_uneven_inputs(case: str, world: int) -> None:
     results = run_ranks(ddp_workers.join_parity, world, case)
     for rank, res in enumerate(results):
@@ -103,7 +93,7 @@ def test_join_on_uneven_inputs(case: str, world: int) -> None:
     _check([{"params": r["params"], "ref_params": r["ref_params"], "losses": []} for r in results])
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", pytest.param("sparse_adam", marks=pytest.mark.long)])
+@pytest.mark.parametrize("optimizer", ["sgd", "sparse_adam"])
 def test_sparse_embedding_gradients(optimizer: str) -> None:
     _check(run_ranks(ddp_workers.sparse_parity, 2, optimizer))
 
@@ -112,8 +102,8 @@ def test_sparse_embedding_gradients(optimizer: str) -> None:
     "when",
     [
         "before",
-        pytest.param("after_wrap", marks=pytest.mark.long),
-        pytest.param("after_first_step", marks=pytest.mark.long),
+        "after_wrap",
+        "after_first_step",
     ],
 )
 def test_the_optimizer_in_backward_steps_on_averaged_gradients(when: str) -> None:
@@ -143,7 +133,6 @@ def test_the_ddp_surface_works_or_names_the_alternative() -> None:
         assert res["eval"] == (False, False) and res["restored"]
 
 
-@pytest.mark.long  # three ranks
 def test_a_subgroup_in_a_larger_world_and_an_ignored_parameter() -> None:
     r0, r1, idle = run_ranks(ddp_workers.subgroup_and_ignored, 3)
     assert idle is None

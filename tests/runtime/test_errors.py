@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from tests import verify_workers, workers
 from tests.harness import run_ranks
 
@@ -74,7 +72,6 @@ def test_destroyed_process_group() -> None:
         assert "process group is no longer usable" in msg, msg
 
 
-@pytest.mark.long  # a cold Inductor compile of its own (about 35 s on 2 cores)
 def test_a_backward_inductor_cannot_compile_raises_a_compile_error_in_backward() -> None:
     """Inductor compiles each backward lazily, inside the user's backward(): its failure must
     still come as distcompile's CompileError with the next step down the ladder."""

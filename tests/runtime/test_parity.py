@@ -54,16 +54,12 @@ def test_parity_two_ranks(model: str, backend: str) -> None:
             np.testing.assert_allclose(res["eval"][1], res["eval"][0], rtol=1e-4, atol=1e-5)
 
 
-# Three ranks change only the averaging and the agreement checks: gpt and graph_break in the
-# README's command, the rest in the long set (it stays under 10 minutes on 2 cores).
-@pytest.mark.parametrize(
-    "model", [m if m in ("gpt", "graph_break") else pytest.param(m, marks=pytest.mark.long) for m in MODELS]
-)
+@pytest.mark.parametrize("model", MODELS)
 def test_parity_three_ranks(model: str) -> None:
     _check(run_ranks(workers.parity, 3, model, "aot_eager"), TOL["aot_eager"])
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.long)])
+@pytest.mark.parametrize("world", [2, 3])
 def test_no_sync_accumulation(world: int) -> None:
     _check(run_ranks(workers.parity, world, "gpt", "aot_eager", "no_sync"), TOL["aot_eager"])
 
