@@ -8,7 +8,27 @@ from torch import fx
 
 from .. import _torch_compat as compat
 
-__all__ = ["graph_break_reason"]
+__all__ = ["graph_break_reason", "is_data_dependent"]
+
+#: TorchDynamo's words for a break whose cause is a tensor's values: what runs after it
+#: (which experts a token goes to, how many times a loop turns) may differ between ranks.
+_DATA_DEPENDENT = re.compile(
+    r"data[- ]dependent|depends on input tensor data|dynamic shape operator|\.item\(\)|tensor\.item|"
+    r"tolist|nonzero|masked_select|aten\.unique|boolean mask",
+    re.IGNORECASE,
+)
+
+
+def is_data_dependent(reason: str | None) -> bool:
+    """Whether a graph break's ``reason`` is a tensor's values (the code after it may differ per rank).
+
+    Example:
+        >>> is_data_dependent("Dynamic shape operator (Operator `aten.nonzero.default`'s output shape ...)")
+        True
+        >>> is_data_dependent("Call to `torch._dynamo.graph_break()`")
+        False
+    """
+    return bool(reason) and bool(_DATA_DEPENDENT.search(reason))
 
 
 def graph_break_reason(gm: fx.GraphModule) -> str | None:

@@ -18,7 +18,7 @@ from torch import fx
 from ..planning.plan import NodeInfo
 from .blocks import find_blocks
 
-__all__ = ["CapturedGraph", "read_graph", "own_forward_code"]
+__all__ = ["CapturedGraph", "read_graph", "own_forward_code", "structure"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +102,43 @@ def read_graph(
         )
         nodes.append(NodeInfo(node.name, tuple(reads), last_user))
     return CapturedGraph(body=body, nodes=tuple(nodes), params=params, blocks=find_blocks(body))
+
+
+def _where(node: fx.Node) -> str:
+    """``module.path (file:line)`` of the user code that made ``node``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    path = str(next(reversed(stack.values()))[0]) if stack else ""
+    trace = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines() if line.strip()]
+    files = [line for line in trace if line.startswith("File ")]
+    loc = (
+        files[-1].split(", in ")[0].removeprefix("File ").replace('"', "").replace(", line ", ":")
+        if files
+        else ""
+    )
+    return f"{path} ({loc})" if path or loc else ""
+
+
+def _target(node: fx.Node) -> str:
+    target = node.target
+    return target if isinstance(target, str) else getattr(target, "__name__", type(target).__name__)
+
+
+def structure(captured: CapturedGraph) -> list[str]:
+    """What ranks must agree on in a graph, one line per node: the operation, the parameters it
+    reads, and where in the user's code it comes from; no sizes (they may differ by data).
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> cg = read_graph(fx.symbolic_trace(lin), [torch.zeros(1, 2)], {id(p): n for n, p in lin.named_parameters()})
+        >>> structure(cg)
+        ['call_function linear reads weight, bias']
+    """
+    lines = []
+    for node, info in zip(captured.body, captured.nodes):
+        line = f"{node.op} {_target(node)}" + (f" reads {', '.join(info.params)}" if info.params else "")
+        where = _where(node)
+        lines.append(f"{line} | {where}" if where else line)
+    return lines
 
 
 def own_forward_code(module: torch.nn.Module, tag: str) -> torch.nn.Module:

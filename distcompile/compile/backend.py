@@ -4,7 +4,8 @@
 
 1. ``_take_recompile_reasons``: the guards that failed (a recompile), and the policy.
 2. ``_plan``: inline its nested compile regions, read it, price it, plan segments and buckets.
-3. ``_agree``: every rank captured the same graph and planned the same segments.
+3. ``lockstep.agree``: every rank captured the same graph and planned the same segments, or
+   this rank compiles alone (Note [Graphs that differ by data], ``lockstep.py``).
 4. ``_compile``: split the graph at the segment boundaries and compile each piece (timed).
 5. ``_register``: the reducer learns the graph's buckets.
 6. ``_record``: a ``GraphRecord``, the log lines, and the observer (telemetry).
@@ -26,10 +27,10 @@ import torch
 from torch import fx
 
 from .. import _torch_compat as compat
-from .._agreement import check_agreement, default_store
+from .._agreement import default_store
 from .._config import Config
 from .._errors import CompileError, DistCompileError, RecompileError
-from ..capture.breaks import graph_break_reason
+from ..capture.breaks import graph_break_reason, is_data_dependent
 from ..capture.flops import node_flops
 from ..capture.graph import CapturedGraph, read_graph
 from ..capture.guards import condense_guard_failures, recompile_note
@@ -37,6 +38,7 @@ from ..capture.regions import inline_regions
 from ..planning.costs import CostModel
 from ..planning.plan import GraphCosts, Plan, plan_graph
 from .failures import compile_failure
+from .lockstep import Lockstep
 from .segments import inner_compiler, split_and_compile
 from .sharing import CompileSharing
 
@@ -58,6 +60,9 @@ class BucketRegistry(Protocol):
 
     def record_graph(self, graph_id: int) -> None:
         """Note that the graph ran with gradients in the open step."""
+
+    def freeze_layout(self) -> None:
+        """From the next step on, one bucket layout whatever graphs ran, the same on every rank."""
 
 
 class CompileObserver(Protocol):
@@ -132,6 +137,8 @@ class CompileTarget:
         costs: The measured cost model (``bucket_cap_mb="auto"``), else ``None``.
         rank: This process's global rank; ``ranks``: the group's global ranks.
         store_prefix: Prefix of this model's keys in the c10d store.
+        graphs_differ: The ranks' graphs may differ by data from the start (DDP's
+            ``find_unused_parameters=True``; Note [Graphs that differ by data]).
     """
 
     config: Config
@@ -143,6 +150,7 @@ class CompileTarget:
     rank: int
     ranks: tuple[int, ...]
     store_prefix: str
+    graphs_differ: bool = False
 
 
 class GraphCompiler:
@@ -172,6 +180,14 @@ class GraphCompiler:
             ranks=target.ranks,
             timeout_s=config.desync_timeout_s,
             enabled=config.backend == "inductor" and compat.compile_caches_enabled(),
+        )
+        self._together = True
+        self.lockstep = Lockstep(
+            target.store_prefix,
+            rank=target.rank,
+            ranks=target.ranks,
+            timeout_s=config.desync_timeout_s,
+            differ=target.graphs_differ,
         )
         self._compiler = inner_compiler(
             config.backend,
@@ -204,9 +220,13 @@ class GraphCompiler:
             hits_before = compat.compile_cache_hits()
             reasons = self._take_recompile_reasons()
             captured, plan, planned_by = self._plan(gm, example_inputs)
-            self._agree(gm, example_inputs, plan, graph_id)
+            self._doing = "checking that every rank captured the same graph"
+            together = self.lockstep.agree(
+                captured, plan, step=self.registry.steps, what=f"graph {graph_id}", recompile=bool(reasons)
+            )
+            self._together = together
             compiled, segment_s, reused = self._compile(
-                gm, example_inputs, captured, plan, graph_id, planned_by, reasons
+                gm, example_inputs, captured, plan, graph_id, planned_by, reasons, together
             )
             self._register(graph_id, plan)
             record = GraphRecord(
@@ -222,6 +242,10 @@ class GraphCompiler:
                 pieces_reused=reused,
             )
             compiled = self._record(record, compiled, t0)
+            if self.lockstep.ended_at(
+                record.graph_break, data_dependent=is_data_dependent(record.graph_break)
+            ):
+                self.registry.freeze_layout()
         except (DistCompileError, *compat.dynamo_control_flow()):
             raise
         except Exception as exc:
@@ -297,24 +321,6 @@ class GraphCompiler:
             return t.costs.graph_costs(flops, tail_wire_scale=half if first_graph else 1.0)
         return t.costs.graph_costs(flops, wire_scale=half, tail_wire_scale=half)
 
-    def _agree(self, gm: fx.GraphModule, example_inputs: list, plan: Plan, graph_id: int) -> None:
-        self._doing = "checking that every rank captured the same graph"
-        t = self.target
-        shapes = [
-            tuple(str(d) for d in x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            for x in example_inputs
-        ]
-        check_agreement(
-            default_store(),
-            # Keyed by call: a retrace (TorchDynamo's restart) publishes its graph afresh.
-            f"{t.store_prefix}/call{self._calls}",
-            f"inputs: {shapes}\n{gm.code.strip()}\nplan:\n{plan.describe()}",
-            rank=t.rank,
-            ranks=list(t.ranks),
-            timeout_s=t.config.desync_timeout_s,
-            what=f"graph {graph_id}",
-        )
-
     def _compile(
         self,
         gm: fx.GraphModule,
@@ -324,6 +330,7 @@ class GraphCompiler:
         graph_id: int,
         planned_by: str,
         reasons: tuple[str, ...],
+        together: bool,
     ) -> tuple[Callable, list[float], int]:
         cfg = self.target.config
         pieces = len(plan.compiled_pieces)
@@ -360,7 +367,7 @@ class GraphCompiler:
             plan=plan,
             compiler=timed_compiler,
             cacheable=cfg.backend == "inductor",
-            sharing=self._sharing,
+            sharing=self._sharing if together else None,
             graph=f"call{self._calls}",
         )
         return compiled, segment_s, reused
@@ -368,7 +375,7 @@ class GraphCompiler:
     def _backward_note(self, plan: Plan) -> str:
         if self.target.config.backend == "eager" or not torch.is_grad_enabled():
             return ""
-        peers = self._sharing.peers or ()  # one piece: compiled whole by each rank, unshared
+        peers = (self._sharing.peers or ()) if self._together else ()  # one piece: each rank compiles it
         if len(peers) > 1 and len(plan.compiled_pieces) > 1:  # Note [Sharing compiles between ranks]
             return f"; compiles split between ranks {list(peers)} (backward included)"
         return "; its backward compiles during the first backward"

@@ -210,7 +210,7 @@ def _piece_compiler_class() -> type:
     return PieceCompiler
 
 
-def _compile_jobs(interpreter: fx.Interpreter, sharing: CompileSharing, graph: str) -> None:
+def _compile_jobs(interpreter: fx.Interpreter, sharing: CompileSharing | None, graph: str) -> None:
     """Compile the walk's jobs, put each compiled piece in its nodes' place, order the metadata.
 
     Alone, a job's backward is compiled at its first run, which reads the piece's
@@ -230,7 +230,10 @@ def _compile_jobs(interpreter: fx.Interpreter, sharing: CompileSharing, graph: s
             entries.append((job.key, job.position, job.needs_backward))
         return compiled
 
-    compiled = sharing.compile_all(interpreter.jobs, compile_one=compile_one, graph=graph)
+    if sharing is None:  # this rank compiles alone (Note [Graphs that differ by data])
+        compiled = [compile_one(job) for job in interpreter.jobs]
+    else:
+        compiled = sharing.compile_all(interpreter.jobs, compile_one=compile_one, graph=graph)
     for n, job in interpreter.deferred:
         interpreter.module.delete_submodule(n.target)
         n.target = "compiled_" + n.target
@@ -245,7 +248,7 @@ def split_and_compile(
     captured: CapturedGraph,
     plan: Plan,
     compiler: CompilerFn,
-    sharing: CompileSharing,
+    sharing: CompileSharing | None,
     graph: str,
     cacheable: bool = False,
 ) -> tuple[Callable, int]:
@@ -258,7 +261,8 @@ def split_and_compile(
     cache can serve a warm restart, and a piece interchangeable with an earlier one (a
     repeated block, Note [Repeated blocks]) reuses its compiled function. ``sharing``
     compiles those, split between the ranks that share a compile cache (``graph`` names
-    this compile in the store; Note [Sharing compiles between ranks]).
+    this compile in the store; Note [Sharing compiles between ranks]); ``None``: this rank
+    compiles every piece itself.
 
     Example:
         >>> # used by distcompile's TorchDynamo backend; see distcompile.wrap

@@ -52,6 +52,8 @@ class Settings:
         comm_hook: A communication hook registered on the DDP model that runs on distcompile's
             buckets (``runtime/hooks.py``); DDP's own allreduce/fp16/bf16 hooks are ``compression``.
         ignored: Parameter and buffer names DDP was told to ignore.
+        find_unused: DDP's ``find_unused_parameters``: the parameters used may differ between
+            steps and ranks (Note [Graphs that differ by data]).
         device: Where inputs go (the DDP model's ``device_ids[0]``), or ``None``.
         costs: The measured cost model under ``bucket_cap_mb="auto"``, else ``None``.
     """
@@ -65,6 +67,7 @@ class Settings:
     compression: str | None
     comm_hook: CommHook | None
     ignored: frozenset[str]
+    find_unused: bool
     device: torch.device | None
     costs: CostModel | None
 
@@ -212,6 +215,7 @@ def _from_ddp(model: DDP) -> tuple[nn.Module, dict]:
     return model.module, {
         "group": group,
         "ignored": frozenset(getattr(model, "parameters_to_ignore", ())) - delayed_names,
+        "find_unused": bool(getattr(model, "find_unused_parameters", False)),
         "device": torch.device(model.device_type, model.device_ids[0]) if model.device_ids else None,
         "inherited": (model.broadcast_buffers, model.gradient_as_bucket_view, _ddp_hook(model, group)),
     }
@@ -222,6 +226,7 @@ def _from_module(model: nn.Module) -> tuple[nn.Module, dict]:
     return model, {
         "group": None,
         "ignored": compat.ddp_ignored_names(model),
+        "find_unused": False,
         "device": None,
         "inherited": (True, False, (None, None)),
     }

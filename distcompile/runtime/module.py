@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
 from .. import _torch_compat as compat
-from .._agreement import default_store, failed_ranks, mark_failed
+from .._agreement import default_store, failed_ranks, layouts_agree, mark_failed
 from .._config import Config
 from .._errors import DistCompileError, UnsupportedModelError
 from ..capture.regions import RegionNotInlined, mark_repeated_blocks, region_failure_reason
@@ -110,6 +110,12 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
             describe_peers=self._describe_peers,
             sparse=sparse_params(module),
             comm_hook=settings.comm_hook,
+            bucket_caps=(settings.bucket_cap, settings.first_bucket_cap),
+            agree_layout=self._agree_layout,
+            # Note [Graphs that differ by data]: one layout from the first synchronized step on,
+            # agreed by every rank, so that which graphs ran (or reran for other parameters) on a
+            # rank never changes what it all-reduces.
+            freeze=True,
         )
         target = CompileTarget(
             config=config,
@@ -121,6 +127,7 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
             rank=self._rank,
             ranks=settings.ranks,
             store_prefix=self._store_prefix,
+            graphs_differ=settings.find_unused,
         )
         self._backend = GraphCompiler(target, registry=self._reducer, observer=observer)
         self._check = (
@@ -177,6 +184,7 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
                 torch.Tensor, lambda t: t.to(s.device, non_blocking=True), (args, kwargs)
             )
         self._backend.forget_guard_failures()  # stale: failures seen while another model compiled
+        self._backend.lockstep.new_call()
         if not self.graphs and self._reducer.steps == 0:
             log.info(
                 "capturing %s with TorchDynamo: the first step captures, plans and compiles (backend %s)",
@@ -236,6 +244,17 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
         unmark, self._unmark = self._unmark, None
         if unmark is not None:
             unmark()
+
+    def _agree_layout(self, groups: list[list[str]]) -> list[list[str]] | None:
+        """``groups`` if every rank's graphs gave the same bucket layout, else ``None`` (reducer.freeze_layout)."""
+        return layouts_agree(
+            default_store(),
+            f"{self._store_prefix}/layout",
+            groups,
+            rank=self._rank,
+            ranks=self._ranks,
+            timeout_s=self.config.desync_timeout_s,
+        )
 
     def _sync_buffers(self) -> None:
         s = self._settings

@@ -57,7 +57,7 @@ from .._errors import CommunicationError, ConfigError, DistCompileError, NonFini
 from .bucket import FlatBucket
 from .hooks import CommHook
 from .optim_in_backward import OptimizersInBackward
-from .schedule import Bucket, build_schedule, claimed_by
+from .schedule import Bucket, build_schedule, claimed_by, static_groups
 from .stats import StepObserver, StepStats
 
 __all__ = ["BucketReducer", "StepObserver", "StepStats"]
@@ -99,6 +99,9 @@ class BucketReducer:
         describe_peers: Callable[[], str] = lambda: "",
         sparse: set[int] = frozenset(),  # type: ignore[assignment]
         comm_hook: CommHook | None = None,
+        bucket_caps: tuple[int, int] = (25 << 20, 1 << 20),
+        agree_layout: Callable[[list[list[str]]], list[list[str]] | None] = lambda groups: groups,
+        freeze: bool = False,
     ) -> None:
         self.params = dict(params)
         self.sparse = set(sparse)
@@ -107,6 +110,10 @@ class BucketReducer:
         self._last_order: list[Bucket] | None = None  # the last synchronized step's (Join shadows it)
         self._last_hooked: torch.futures.Future | None = None  # the previous bucket's hook (one at a time)
         self.optimizers = OptimizersInBackward(self.params)
+        self._static: list[list[str]] | None = None  # a frozen layout (freeze_layout)
+        self._freeze = freeze
+        self.bucket_caps = bucket_caps
+        self.agree_layout = agree_layout
         self.observer = observer
         self.detect_nonfinite = detect_nonfinite
         self.describe_peers = describe_peers
@@ -177,14 +184,52 @@ class BucketReducer:
         return 0 if self._step is None else len(self._step.graphs)
 
     # -- backward side -------------------------------------------------------------
+    def freeze_layout(self) -> None:
+        """From the next step on, one bucket layout whatever graphs ran (Note [Graphs that differ by data]).
+
+        At that step's first gradient, the ranks compare the layout their graphs give
+        (``agree_layout``): the same everywhere, it is kept (graph-aligned, as planned); not,
+        they take DDP's (reverse parameter order, cut at the bucket caps). Idempotent.
+        """
+        if self._static is None:
+            self._freeze = True
+
+    def _frozen_groups(self, graphs: tuple[int, ...]) -> list[list[str]]:
+        mine = [
+            b.names
+            for b in build_schedule(
+                self._graph_buckets,
+                graphs,
+                self.params,
+                sparse=set(),
+                compression=None,
+                compress_tail_only=False,
+                grad_as_view=False,
+            )
+        ]
+        agreed = self.agree_layout(mine)
+        if agreed is not None:
+            return agreed
+        cap, first_cap = self.bucket_caps
+        log.info(
+            "the ranks' graphs gave different bucket layouts: gradients travel in DDP's (reverse parameter order)"
+        )
+        return static_groups(self.params, cap=cap, first_cap=first_cap)
+
     def _schedule(self, graphs: tuple[int, ...]) -> tuple[list[Bucket], dict]:
+        if self._freeze:
+            self._freeze = False
+            self._static = self._frozen_groups(graphs)
+            self._schedules.clear()
+        if self._static is not None:
+            graphs = (-1,)  # one schedule: every rank's the same
         cached = self._schedules.get(graphs)
         if cached is not None:
             for b in cached[0]:
                 b.reset()
             return cached
         order = build_schedule(
-            self._graph_buckets,
+            {-1: self._static} if self._static is not None else self._graph_buckets,
             graphs,
             self.params,
             sparse=self.sparse,

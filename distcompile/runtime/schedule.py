@@ -9,7 +9,7 @@ import torch
 from .bucket import FlatBucket
 from .sparse import SparseBucket
 
-__all__ = ["Bucket", "build_schedule", "claimed_by"]
+__all__ = ["Bucket", "build_schedule", "claimed_by", "static_groups"]
 
 Bucket = FlatBucket | SparseBucket
 
@@ -81,3 +81,27 @@ def build_schedule(
         for members in by_dtype.values():
             order.append(FlatBucket(len(order), members, compression=scheme, grad_as_view=grad_as_view))
     return order
+
+
+def static_groups(params: Mapping[str, torch.nn.Parameter], *, cap: int, first_cap: int) -> list[list[str]]:
+    """DDP's layout: parameters in reverse registration order, cut at ``first_cap`` bytes, then
+    at ``cap``; the same on every rank whatever graphs ran (Note [Graphs that differ by data]).
+
+    Example:
+        >>> lin = torch.nn.Linear(4, 4)
+        >>> static_groups(dict(lin.named_parameters()), cap=64, first_cap=16)
+        [['bias'], ['weight']]
+    """
+    groups: list[list[str]] = []
+    current: list[str] = []
+    size, limit = 0, first_cap
+    for name, p in reversed(list(params.items())):
+        nbytes = p.numel() * p.element_size()
+        if current and size + nbytes > limit:
+            groups.append(current)
+            current, size, limit = [], 0, cap
+        current.append(name)
+        size += nbytes
+    if current:
+        groups.append(current)
+    return groups

@@ -64,8 +64,9 @@ def test_doctor_reports_a_crash_with_the_exception() -> None:
 
 def test_doctor_runs_every_stage_past_a_crash_and_finds_a_corrupting_backward() -> None:
     """The torch bug of Note [Regions under checkpoint], brought back as an unknown bug would be:
-    the eager stage crashes in backward, aot_eager matches, Inductor's backward overwrites a
-    weight. Each stage is reported for what it did, and regions=False is found to fix both."""
+    Inductor's backward overwrites a weight (torch 2.13 and 2.15), and on torch 2.13 the eager
+    stage also crashes in backward. Each stage is reported for what it did, every stage runs
+    past a crash, and regions=False is found to fix the failing ones."""
     for res in run_ranks(
         verify_workers.doctor_run,
         2,
@@ -75,16 +76,17 @@ def test_doctor_runs_every_stage_past_a_crash_and_finds_a_corrupting_backward() 
         timeout=900,
     ):
         status, text = res["status"], res["text"]
-        assert status["eager"] == ["crashed", "crashed"] and status["aot_eager"] == ["ok", "ok"], text
-        assert status["inductor"] == ["diverged", "diverged"], text
-        assert status["eager, regions=False"] == status["inductor, regions=False"] == ["ok", "ok"], text
+        assert status["aot_eager"] == ["ok", "ok"] and status["inductor"] == ["diverged", "diverged"], text
+        assert status["inductor, regions=False"] == ["ok", "ok"], text
         assert "aot_eager, regions=False" not in status  # only failing stages are tried again
-        assert "fake_mode should be enabled for HOPs" in res["summaries"]["eager"][0], text
         assert "parameter blocks.0.b.weight (graph 0, segment" in res["summaries"]["inductor"][0], text
-        assert res["first_bad"] == "eager" and res["agree"], text
-        assert (
-            "train with wrap(..., regions=False)" in text and "stages that match eager DDP: aot_eager" in text
-        )
+        assert "train with wrap(..., regions=False)" in text and res["agree"], text
+        if status["eager"] == ["crashed", "crashed"]:  # torch 2.13
+            assert "fake_mode should be enabled for HOPs" in res["summaries"]["eager"][0], text
+            assert status["eager, regions=False"] == ["ok", "ok"] and res["first_bad"] == "eager", text
+            assert "stages that match eager DDP: aot_eager" in text
+        else:  # torch 2.15 runs the region's backward under eager
+            assert status["eager"] == ["ok", "ok"] and res["first_bad"] == "inductor", text
 
 
 def test_doctor_finds_parameters_that_drift_after_the_first_step() -> None:
