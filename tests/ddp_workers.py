@@ -344,3 +344,40 @@ def mixed_precision(rank: int, world: int) -> str:
     except distcompile.UnsupportedModelError as exc:
         return str(exc)
     return "no error"
+
+
+def moe_parity(rank: int, world: int, model_name: str, backend: str, dynamic: bool | None) -> dict:
+    """A routed mixture of experts, per-rank batch sizes (16 + 3 * rank tokens) and routing,
+    ``find_unused_parameters=True`` on both sides."""
+    torch.manual_seed(0)
+    base = BUILDERS[model_name]()
+    ref = DDP(copy.deepcopy(base), find_unused_parameters=True)
+    ours = distcompile.wrap(
+        DDP(copy.deepcopy(base), find_unused_parameters=True),
+        backend=backend,
+        dynamic=dynamic,
+        desync_timeout_s=30,
+    )
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
+    losses, experts_used = [], []
+    for step in range(4):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(16 + 3 * rank, 32, generator=g), torch.randn(16 + 3 * rank, 8, generator=g)
+        pair = []
+        for model, opt in zip((ref, ours), opts):
+            if model is ours:  # the experts this rank routes tokens to, this step
+                with torch.no_grad():
+                    inner = model.module
+                    experts_used.append(sorted(set(inner.router(torch.relu(inner.inp(x))).argmax(-1).tolist())))
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(float(loss.detach()))
+        losses.append(pair)
+    return {
+        "losses": losses,
+        "experts_used": experts_used,
+        "ref_params": [p.detach().clone() for p in ref.module.parameters()],
+        "params": [p.detach().clone() for p in ours.module.parameters()],
+    }

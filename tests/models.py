@@ -539,3 +539,41 @@ class GradWrongWhenCompiled(_TwoLayer):
 
 
 BUILDERS["grad_wrong"] = GradWrongWhenCompiled
+
+
+class _Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(F.gelu(self.a(x)))
+
+
+class RoutedMoE(nn.Module):
+    """Top-1 routing over four experts, ``out[mask] = expert(h[mask])``: each rank's token counts
+    per expert differ, and with ``skip_unused`` so do the experts it calls (a branch on
+    ``mask.any()``). Needs ``find_unused_parameters=True`` under eager DDP (the router's
+    argmax gives it no gradient)."""
+
+    def __init__(self, skip_unused: bool = False) -> None:
+        super().__init__()
+        self.skip_unused = skip_unused
+        self.inp, self.router = nn.Linear(32, 32), nn.Linear(32, 4)
+        self.experts = nn.ModuleList(_Expert() for _ in range(4))
+        self.out = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        choice = self.router(h).argmax(-1)
+        out = torch.zeros_like(h)
+        for i, expert in enumerate(self.experts):
+            mask = choice == i
+            if self.skip_unused and not mask.any():
+                continue
+            out[mask] = expert(h[mask])
+        return self.out(out + h)
+
+
+BUILDERS["moe"] = RoutedMoE
+BUILDERS["moe_skip"] = lambda: RoutedMoE(skip_unused=True)

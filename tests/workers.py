@@ -138,12 +138,54 @@ class _null:
         return None
 
 
-def desync_shapes(rank: int, world: int) -> str:
-    """Rank 0 feeds a different batch size: every rank must get a DesyncError, not hang."""
+class _RankDependent(torch.nn.Module):
+    """The same parameters on every rank, but rank 0's forward takes another branch."""
+
+    def __init__(self, extra: bool) -> None:
+        super().__init__()
+        self.extra = extra
+        self.a = torch.nn.Linear(64, 64)
+        self.b = torch.nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.extra:
+            h = torch.tanh(h)
+        return self.b(h)
+
+
+def desync_structure(rank: int, world: int) -> str:
+    """A genuinely different graph per rank: every rank must get a DesyncError, not hang."""
     torch.manual_seed(0)
-    model = distcompile.wrap(DDP(BUILDERS["mlp_seq"]()), backend="eager", desync_timeout_s=20)
-    x = torch.randn(8 if rank == 0 else 4, 64)
-    return _error_text(distcompile.DesyncError, lambda: model(x).sum().backward())
+    model = distcompile.wrap(DDP(_RankDependent(rank == 0)), backend="eager", desync_timeout_s=20)
+    return _error_text(distcompile.DesyncError, lambda: model(torch.randn(4, 64)).sum().backward())
+
+
+def batch_sizes_differ(rank: int, world: int) -> dict:
+    """Each rank its own batch size (16 + 3 * rank) and sequence of them: trains as eager DDP."""
+    torch.manual_seed(0)
+    base = BUILDERS["mlp_seq"]()
+    ref, ours = DDP(copy.deepcopy(base)), distcompile.wrap(DDP(copy.deepcopy(base)), backend="aot_eager")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ref, ours)]
+    losses = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        n = (16, 12, 16, 9)[step] + 3 * rank  # rank 1's batch size changes at other steps than rank 0's
+        x, y = torch.randn(n, 64, generator=g), torch.randn(n, 8, generator=g)
+        pair = []
+        for model, opt in zip((ref, ours), opts):
+            loss = loss_fn("mlp_seq", model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(float(loss.detach()))
+        losses.append(pair)
+    return {
+        "losses": losses,
+        "params": [p.detach().clone() for p in ours.module.parameters()],
+        "ref_params": [p.detach().clone() for p in ref.module.parameters()],
+        "graphs": len(ours.graphs),
+    }
 
 
 def desync_missing(rank: int, world: int) -> str:

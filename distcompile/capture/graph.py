@@ -8,6 +8,7 @@ parameter's qualified name in the wrapped module, so names match on every rank.
 
 from __future__ import annotations
 
+import re
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -104,10 +105,18 @@ def read_graph(
     return CapturedGraph(body=body, nodes=tuple(nodes), params=params, blocks=find_blocks(body))
 
 
+def _module_path(source: str) -> str:
+    """TorchDynamo's source of a module (``L['self'].layers[0].attn``) as its path (``layers.0.attn``)."""
+    path = re.sub(r"^L\['self'\]\.?", "", source)
+    path = re.sub(r"^L\['([^']+)'\]", r"\1", path)
+    path = re.sub(r"\['([^']+)'\]", r".\1", path)
+    return re.sub(r"\[(\d+)\]", r".\1", path)
+
+
 def _where(node: fx.Node) -> str:
     """``module.path (file:line)`` of the user code that made ``node``."""
     stack = node.meta.get("nn_module_stack") or {}
-    path = str(next(reversed(stack.values()))[0]) if stack else ""
+    path = _module_path(str(next(reversed(stack.values()))[0])) if stack else ""
     trace = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines() if line.strip()]
     files = [line for line in trace if line.startswith("File ")]
     loc = (
@@ -115,7 +124,7 @@ def _where(node: fx.Node) -> str:
         if files
         else ""
     )
-    return f"{path} ({loc})" if path or loc else ""
+    return " ".join(part for part in (path, f"({loc})" if loc else "") if part)
 
 
 def _target(node: fx.Node) -> str:

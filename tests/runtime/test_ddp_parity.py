@@ -149,3 +149,26 @@ def test_ddp_mixed_precision_is_refused_with_the_alternative() -> None:
         if msg.startswith("DDP itself cannot"):
             pytest.skip(msg[:200])
         assert "mixed_precision" in msg and "torch.autocast" in msg and "compression='bf16'" in msg, msg
+
+
+@pytest.mark.parametrize(
+    ("model", "backend", "dynamic", "world"),
+    [
+        ("moe", "aot_eager", None, 2),
+        ("moe_skip", "aot_eager", None, 2),
+        ("moe_skip", "aot_eager", True, 2),
+        ("moe_skip", "aot_eager", None, 3),
+        pytest.param("moe_skip", "inductor", None, 2, marks=pytest.mark.slow),
+    ],
+)
+def test_a_routed_mixture_of_experts_whose_graphs_differ_by_data(
+    model: str, backend: str, dynamic: bool | None, world: int
+) -> None:
+    """Note [Graphs that differ by data]: token counts per expert differ per rank, and with
+    ``moe_skip`` so does the set of experts a rank calls; training matches eager DDP."""
+    results = run_ranks(ddp_workers.moe_parity, world, model, backend, dynamic, timeout=600)
+    _check(results)
+    if model == "moe_skip":  # the ranks did call different experts in some step
+        used = [r["experts_used"] for r in results]
+        assert any(len({tuple(u[step]) for u in used}) > 1 for step in range(4)), used
+        assert any(len(u[step]) < 4 for u in used for step in range(4)), used  # some expert unused

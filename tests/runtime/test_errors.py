@@ -14,10 +14,26 @@ def test_a_comm_hook_with_compression_or_without_a_future_is_a_clear_error() -> 
         assert "'_returns_a_tensor' returned a Tensor" in res["broken"] and "Future" in res["broken"], res
 
 
-def test_desync_on_different_shapes_raises_on_every_rank() -> None:
-    for rank, msg in enumerate(run_ranks(workers.desync_shapes, 2, timeout=120)):
-        assert "graph 0 differs between rank" in msg, (rank, msg)
-        assert "8" in msg and "4" in msg  # the differing batch sizes are shown
+def test_a_rank_that_captures_another_graph_raises_on_every_rank_naming_the_code() -> None:
+    for rank, msg in enumerate(run_ranks(workers.desync_structure, 2, timeout=120)):
+        assert "graph 0 differs between rank" in msg and "Their structure differs" in msg, (rank, msg)
+        assert "call_function tanh" in msg and "workers.py:" in msg, msg  # the op and its code line
+
+
+def test_batch_sizes_that_differ_between_ranks_train_as_under_eager_ddp() -> None:
+    """Sizes may differ by data (Note [Graphs that differ by data]): rank 1 recompiles at other
+    steps than rank 0, alone, and the ranks stay in sync."""
+    import numpy as np
+
+    results = run_ranks(workers.batch_sizes_differ, 2, timeout=300)
+    for res in results:
+        np.testing.assert_allclose(
+            [b for _, b in res["losses"]], [a for a, _ in res["losses"]], rtol=1e-4, atol=1e-5
+        )
+        for a, b in zip(res["params"], res["ref_params"]):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_desync_missing_rank_times_out_with_a_clear_error() -> None:
