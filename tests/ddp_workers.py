@@ -368,7 +368,9 @@ def moe_parity(rank: int, world: int, model_name: str, backend: str, dynamic: bo
             if model is ours:  # the experts this rank routes tokens to, this step
                 with torch.no_grad():
                     inner = model.module
-                    experts_used.append(sorted(set(inner.router(torch.relu(inner.inp(x))).argmax(-1).tolist())))
+                    experts_used.append(
+                        sorted(set(inner.router(torch.relu(inner.inp(x))).argmax(-1).tolist()))
+                    )
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
             opt.step()

@@ -495,7 +495,22 @@ class BreakInBlocks(nn.Module):
         return self.out(x)
 
 
+class GraphThenBreakingBlocks(BreakInBlocks):
+    """A graph runs first (an input layer, then a graph break), then blocks that cannot be
+    regions: the retry without regions reruns a call in which a graph ran (no buffer changed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.inp(x))
+        torch._dynamo.graph_break()
+        return super().forward(x)
+
+
 BUILDERS["break_in_blocks"] = BreakInBlocks
+BUILDERS["graph_then_breaking_blocks"] = GraphThenBreakingBlocks
 
 
 class RaisesOnce(nn.Module):

@@ -85,10 +85,14 @@ def _build(name: str) -> tuple[nn.Module, Batch, dict]:
     if name in ("llama_tied", "llama_untied"):
         cfg = tf.LlamaConfig(**small, **heads, tie_word_embeddings=name == "llama_tied")
         return tf.LlamaForCausalLM(cfg), _varying, {}
-    if name == "mixtral":
+    # "_eager": transformers' loop over the experts that received tokens, which differ per rank
+    # (Note [Graphs that differ by data]); eager DDP needs find_unused_parameters for it.
+    eager = {"experts_implementation": "eager"} if name.endswith("_eager") else {}
+    unused = {"find_unused_parameters": True} if eager else {}
+    if name.startswith("mixtral"):
         cfg = tf.MixtralConfig(**small, **heads, **moe)
-        return tf.MixtralForCausalLM(cfg), _causal, {}
-    if name == "qwen2_moe":
+        return tf.MixtralForCausalLM._from_config(cfg, **eager), _causal, unused
+    if name.startswith("qwen2_moe"):
         cfg = tf.Qwen2MoeConfig(
             **small,
             **heads,
@@ -97,7 +101,7 @@ def _build(name: str) -> tuple[nn.Module, Batch, dict]:
             moe_intermediate_size=64,
             shared_expert_intermediate_size=64,
         )
-        return tf.Qwen2MoeForCausalLM(cfg), _causal, {}
+        return tf.Qwen2MoeForCausalLM._from_config(cfg, **eager), _causal, unused
     if name == "t5":
         cfg = tf.T5Config(
             vocab_size=VOCAB,

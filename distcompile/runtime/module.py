@@ -58,6 +58,17 @@ def _region_failure(exc: BaseException) -> bool:
     return cause is not None
 
 
+def _region_only(exc: BaseException) -> bool:
+    """Whether a failed capture is a region's own: a graph break inside a repeated block
+    (TorchDynamo's ``UncapturedHigherOrderOpError``) or a region we could not inline."""
+    cause: BaseException | None = compat.backend_failure_cause(exc)
+    while cause is not None:
+        if isinstance(cause, RegionNotInlined) or type(cause).__name__ == "UncapturedHigherOrderOpError":
+            return True
+        cause = cause.__cause__
+    return type(exc).__name__ == "UncapturedHigherOrderOpError"
+
+
 class DistCompiledModule(DDPSurface, nn.Module, Joinable):
     """A model compiled by :func:`distcompile.wrap`; use it as you would the DDP model.
 
@@ -216,11 +227,17 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
 
     def _call_compiled(self, args: tuple, kwargs: dict) -> object:
         ran = self._reducer.graphs_run
+        versions = compat.tensor_versions(self._buffers_list) if self._unmark is not None else []
         try:
             return self._compiled(*args, **kwargs)
         except Exception as exc:  # Note [Nested compile regions]: TorchDynamo raises, we retry without
-            # Not after a graph of this call ran: running again would repeat its effects (buffers).
-            if self._unmark is None or self._reducer.graphs_run != ran or not _region_failure(exc):
+            if self._unmark is None or not _region_failure(exc):
+                raise
+            # After a graph of this call ran, only a region's own failure, and only if no buffer
+            # changed: running again must not repeat effects (BatchNorm statistics) nor a user's error.
+            if self._reducer.graphs_run != ran and (
+                not _region_only(exc) or versions != compat.tensor_versions(self._buffers_list)
+            ):
                 raise
             log.info(
                 "capturing again with every block traced (TorchDynamo could not trace a repeated block "

@@ -27,11 +27,6 @@ from tests.harness import run_ranks
 pytestmark = pytest.mark.long
 
 LR, STEPS = 1e-3, 4
-_MOE_WAITS = pytest.mark.xfail(
-    reason="issue 38: the experts a rank routes tokens to differ per rank, so its graphs do; "
-    "distcompile raises DesyncError until graphs that differ by data are allowed",
-    strict=True,
-)
 ROWS = [
     ("bert", False),
     ("bert", True),
@@ -50,7 +45,9 @@ ROWS = [
     ("resnet", False),
     ("whisper", False),
     ("whisper", True),
-    pytest.param("switch", False, marks=_MOE_WAITS),
+    ("switch", False),
+    ("mixtral_eager", False),
+    ("qwen2_moe_eager", False),
 ]
 
 

@@ -229,8 +229,9 @@ def test_blocks_checkpointed_from_outside_keep_their_regions_and_match(model: st
     assert all(r["regions_kept"] for r in results)
 
 
-def test_a_graph_break_inside_repeated_blocks_captures_again_without_regions() -> None:
-    results = run_ranks(workers.parity, 2, "break_in_blocks", "eager")
+@pytest.mark.parametrize("model", ["break_in_blocks", "graph_then_breaking_blocks"])
+def test_a_graph_break_inside_repeated_blocks_captures_again_without_regions(model: str) -> None:
+    results = run_ranks(workers.parity, 2, model, "eager")
     _check(results, TOL["eager"])
     assert not any(r["regions_kept"] for r in results)
 
