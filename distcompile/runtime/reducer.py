@@ -10,10 +10,13 @@ Algorithm
     * A parameter is *ready* when its post-accumulate-grad hook fires. The autograd
       engine runs a leaf's ``AccumulateGrad`` once per ``backward()``, after every use's
       gradient has arrived, so the hook fires exactly once, when the gradient is final.
-    * The launch order is fixed by what ran in forward, identically on every rank:
-      graphs in reverse first-execution order, each graph's buckets in plan order, then
-      one trailing bucket for every other trainable parameter (those only read by eager
-      code, or owned by a graph that did not run). A parameter goes with its first use.
+    * The launch order comes from what ran in forward: graphs in reverse first-execution
+      order, each graph's buckets in plan order, then one trailing bucket for every other
+      trainable parameter (those only read by eager code, or owned by a graph that did not
+      run). A parameter goes with its first use. A wrapped model freezes that layout at its
+      first synchronized step (``freeze_layout``): the ranks compare theirs and keep it if
+      it is the same everywhere, else take DDP's; from then on it is the same on every rank
+      whatever graphs ran (Note [Graphs that differ by data]). Joined ranks shadow it.
     * Buckets launch strictly in that order (bucket *k+1* waits for bucket *k*), so
       collectives match across ranks. Launching copies each gradient into the bucket
       already multiplied by ``1/world_size`` (and cast, under compression), then starts
