@@ -4,10 +4,9 @@
 
 1. ``_take_recompile_reasons``: the guards that failed (a recompile), and the policy.
 2. ``_plan``: inline its nested compile regions, read it, price it, plan segments and buckets.
-3. ``lockstep.agree``: every rank captured the same graph and planned the same segments, or
-   this rank compiles alone (Note [Graphs that differ by data], ``lockstep.py``).
+3. ``lockstep.agree``: every rank captured the same graph (or this rank compiles alone).
 4. ``_compile``: split the graph at the segment boundaries and compile each piece (timed).
-5. ``_register``: the reducer learns the graph's buckets.
+5. ``registry.add_graph``: the reducer learns the graph's buckets.
 6. ``_record``: a ``GraphRecord``, the log lines, and the observer (telemetry).
 
 Any exception from inside torch becomes a ``CompileError`` naming the step, graph, backend, torch
@@ -228,7 +227,8 @@ class GraphCompiler:
             compiled, segment_s, reused = self._compile(
                 gm, example_inputs, captured, plan, graph_id, planned_by, reasons, together
             )
-            self._register(graph_id, plan)
+            self._doing = "registering the graph's buckets"
+            self.registry.add_graph(graph_id, [b.params for b in plan.buckets])
             record = GraphRecord(
                 graph_id=graph_id,
                 plan=plan,
@@ -375,14 +375,10 @@ class GraphCompiler:
     def _backward_note(self, plan: Plan) -> str:
         if self.target.config.backend == "eager" or not torch.is_grad_enabled():
             return ""
-        peers = (self._sharing.peers or ()) if self._together else ()  # one piece: each rank compiles it
-        if len(peers) > 1 and len(plan.compiled_pieces) > 1:  # Note [Sharing compiles between ranks]
+        peers = (self._sharing.peers or ()) if self._together else ()  # Note [Sharing compiles between ranks]
+        if len(peers) > 1 and len(plan.compiled_pieces) > 1:  # one piece: each rank compiles it
             return f"; compiles split between ranks {list(peers)} (backward included)"
         return "; its backward compiles during the first backward"
-
-    def _register(self, graph_id: int, plan: Plan) -> None:
-        self._doing = "registering the graph's buckets"
-        self.registry.add_graph(graph_id, [b.params for b in plan.buckets])
 
     def _record(self, record: GraphRecord, compiled: Callable, t0: float) -> Callable:
         self._doing = "recording the compiled graph"

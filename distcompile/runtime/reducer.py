@@ -60,7 +60,7 @@ from .._errors import CommunicationError, ConfigError, DistCompileError, NonFini
 from .bucket import FlatBucket
 from .hooks import CommHook
 from .optim_in_backward import OptimizersInBackward
-from .schedule import Bucket, build_schedule, claimed_by, static_groups
+from .schedule import Bucket, build_schedule, claimed_by, layout_groups, report_uncompiled, static_groups
 from .stats import StepObserver, StepStats
 
 __all__ = ["BucketReducer", "StepObserver", "StepStats"]
@@ -198,18 +198,7 @@ class BucketReducer:
             self._freeze = True
 
     def _frozen_groups(self, graphs: tuple[int, ...]) -> list[list[str]]:
-        mine = [
-            b.names
-            for b in build_schedule(
-                self._graph_buckets,
-                graphs,
-                self.params,
-                sparse=set(),
-                compression=None,
-                compress_tail_only=False,
-                grad_as_view=False,
-            )
-        ]
+        mine = layout_groups(self._graph_buckets, graphs, list(self.params))
         agreed = self.agree_layout(mine)
         if agreed is not None:
             return agreed
@@ -395,40 +384,10 @@ class BucketReducer:
         )
         if self.observer is not None:
             stats = replace(stats, **self.observer.end_step(stats))
-        if self.steps == 0:
-            self._report_uncompiled(step)
+        if self.steps == 0 and dist.get_rank(self.group) == 0:  # once, after the first step
+            report_uncompiled(step.order or (), self._claimed_by(step), self.params, log)
         self.last_step = stats
         self.steps += 1
-
-    def _report_uncompiled(self, step: _Step) -> None:
-        # Once, after the first step, on the group's first rank: parameters whose gradient
-        # came from code no graph of the step contains (a frame TorchDynamo skipped, eager
-        # code between graphs) train uncompiled and wait for the trailing bucket.
-        claimed = self._claimed_by(step)
-        eager = [
-            (n, p)
-            for b in step.order or ()
-            for n, p, ready in zip(b.names, b.params, b.ready)
-            if ready and n not in claimed
-        ]
-        if not eager or dist.get_rank(self.group) != 0:
-            return
-        nbytes = sum(p.numel() * p.element_size() for _, p in eager)
-        share = nbytes / max(sum(p.numel() * p.element_size() for p in self.params.values()), 1)
-        log.log(
-            logging.WARNING if share >= 0.1 else logging.INFO,
-            "%d of %d trainable parameters (%.2f MB, %.0f%% of the bytes; %s%s) got their gradients from "
-            "code that no captured graph contains (a frame TorchDynamo skipped, or eager code between "
-            "graphs): that code runs uncompiled, and its gradients are all-reduced in one bucket when "
-            "backward ends, without overlap. TORCH_LOGS=graph_breaks or distcompile.explain(model, "
-            "*inputs) shows why.",
-            len(eager),
-            len(self.params),
-            nbytes / 1e6,
-            100 * share,
-            ", ".join(n for n, _ in eager[:3]),
-            ", ..." if len(eager) > 3 else "",
-        )
 
     def abandon_step(self) -> None:
         """Forget an open step whose backward never ran (e.g. forward under grad, no backward)."""

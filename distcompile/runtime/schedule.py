@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -9,7 +10,7 @@ import torch
 from .bucket import FlatBucket
 from .sparse import SparseBucket
 
-__all__ = ["Bucket", "build_schedule", "claimed_by", "static_groups"]
+__all__ = ["Bucket", "build_schedule", "claimed_by", "layout_groups", "report_uncompiled", "static_groups"]
 
 Bucket = FlatBucket | SparseBucket
 
@@ -45,6 +46,18 @@ def _groups(
     if rest:
         groups.append(rest)
     return groups, tail_from
+
+
+def layout_groups(
+    graph_buckets: Mapping[int, Sequence[Sequence[str]]], graphs: Sequence[int], names: Sequence[str]
+) -> list[list[str]]:
+    """The parameter groups of a step, in launch order (what the ranks compare to freeze a layout).
+
+    Example:
+        >>> layout_groups({0: [["b"], ["a"]]}, [0], ["a", "b", "c"])
+        [['b'], ['a'], ['c']]
+    """
+    return _groups(graph_buckets, graphs, names)[0]
 
 
 def build_schedule(
@@ -105,3 +118,34 @@ def static_groups(params: Mapping[str, torch.nn.Parameter], *, cap: int, first_c
     if current:
         groups.append(current)
     return groups
+
+
+def report_uncompiled(
+    order: Sequence[Bucket], claimed: set[str], params: Mapping[str, torch.nn.Parameter], log: logging.Logger
+) -> None:
+    """Log the trainable parameters whose gradient came from code no graph of the step contains
+    (a frame TorchDynamo skipped, eager code between graphs): they train uncompiled and wait
+    for the trailing bucket. A warning from 10% of the bytes.
+
+    Example:
+        >>> report_uncompiled([], set(), {}, logging.getLogger("x"))  # nothing to say
+    """
+    eager = [(n, p) for b in order for n, p, r in zip(b.names, b.params, b.ready) if r and n not in claimed]
+    if not eager:
+        return
+    nbytes = sum(p.numel() * p.element_size() for _, p in eager)
+    share = nbytes / max(sum(p.numel() * p.element_size() for p in params.values()), 1)
+    log.log(
+        logging.WARNING if share >= 0.1 else logging.INFO,
+        "%d of %d trainable parameters (%.2f MB, %.0f%% of the bytes; %s%s) got their gradients from "
+        "code that no captured graph contains (a frame TorchDynamo skipped, or eager code between "
+        "graphs): that code runs uncompiled, and its gradients are all-reduced in one bucket when "
+        "backward ends, without overlap. TORCH_LOGS=graph_breaks or distcompile.explain(model, "
+        "*inputs) shows why.",
+        len(eager),
+        len(params),
+        nbytes / 1e6,
+        100 * share,
+        ", ".join(n for n, _ in eager[:3]),
+        ", ..." if len(eager) > 3 else "",
+    )
