@@ -20,7 +20,7 @@ from ._errors import (
 )
 from ._torch_compat import warn_if_untested as _warn_if_untested
 from ._wrap import unwrap, wrap
-from .compile.backend import GraphRecord
+from .compile.record import GraphRecord
 from .diagnostics.doctor import DoctorReport, StageResult, doctor
 from .diagnostics.explain import ExplainedGraph, Explanation, explain
 from .planning.plan import Bucket, NodeInfo, Plan, plan_graph

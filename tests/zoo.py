@@ -197,3 +197,38 @@ def zoo_parity(rank: int, world: int, name: str, checkpointing: bool, steps: int
     }
     ours.close()
     return out
+
+
+def gpt2_dynamic(rank: int, world: int, backend: str) -> dict:
+    """HF GPT-2 under ``wrap(..., dynamic=True)``, sequence lengths 16, 12, 9, 14, graphs cut into
+    8 pieces (a small bucket cap): its GELU's ``math.sqrt(2 / math.pi)`` is a symbolic float."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    base = tf.GPT2LMHeadModel(cfg).train()
+    ref = DDP(copy.deepcopy(base), bucket_cap_mb=0.05)
+    ours = distcompile.wrap(DDP(copy.deepcopy(base), bucket_cap_mb=0.05), backend=backend, dynamic=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ref, ours)]
+    losses = []
+    for step, n in enumerate((16, 12, 9, 14)):
+        ids = _tokens(rank, step, n)
+        pair = []
+        for model, opt in zip((ref, ours), opts):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(float(loss.detach()))
+        losses.append(pair)
+    out = {
+        "losses": np.array(losses),
+        "params": {n: p.detach().numpy().copy() for n, p in ours.module.named_parameters()},
+        "ref_params": {n: p.detach().numpy().copy() for n, p in ref.module.named_parameters()},
+        "graphs": len(ours.graphs),
+        "pieces": [len(g.plan.compiled_pieces) for g in ours.graphs],
+    }
+    ours.close()
+    return out

@@ -38,10 +38,11 @@ from ..planning.costs import CostModel
 from ..planning.plan import GraphCosts, Plan, plan_graph
 from .failures import compile_failure
 from .lockstep import Lockstep
+from .record import GraphRecord
 from .segments import inner_compiler, split_and_compile
 from .sharing import CompileSharing
 
-__all__ = ["BucketRegistry", "CompileObserver", "CompileTarget", "GraphCompiler", "GraphRecord"]
+__all__ = ["BucketRegistry", "CompileObserver", "CompileTarget", "GraphCompiler"]
 
 log = logging.getLogger(__name__)
 
@@ -72,46 +73,6 @@ class CompileObserver(Protocol):
 
     def instrument(self, compiled: Callable, graph_id: int) -> Callable:
         """``compiled``, with each segment's forward and backward timed."""
-
-
-@dataclass(frozen=True, slots=True)
-class GraphRecord:
-    """One graph TorchDynamo captured and distcompile compiled.
-
-    Attributes:
-        graph_id: Order of capture within this wrapped model.
-        plan: Its segments and buckets.
-        compile_s: Seconds spent planning, checking and compiling it on this rank
-            (Inductor compiles the backward lazily, during the first backward).
-        num_nodes: Partitionable nodes in the graph.
-        segment_compile_s: Forward compile seconds of each piece compiled (a piece that
-            reuses an identical sibling's compiled function takes no time and no entry).
-        graph_break: Why TorchDynamo ended this graph early (``None`` if it ran to the
-            end of the compiled function), with the user code location.
-        recompile_reasons: Every failed guard, in TorchDynamo's order (one per cached
-            entry of this model's code), if this graph recompiles code compiled before.
-        cache_hits: FX-graph and AOTAutograd cache hits while compiling it.
-        planned_by: How the segments were chosen: the bucket caps, or the measured
-            costs (``bucket_cap_mb="auto"``).
-        pieces_reused: Pieces (``plan.pieces``) that took the compiled function of an
-            identical earlier piece (a repeated block) instead of being compiled.
-    """
-
-    graph_id: int
-    plan: Plan
-    compile_s: float
-    num_nodes: int
-    segment_compile_s: tuple[float, ...] = ()
-    graph_break: str | None = None
-    recompile_reasons: tuple[str, ...] = ()
-    cache_hits: int = 0
-    planned_by: str = ""
-    pieces_reused: int = 0
-
-    @property
-    def recompile_reason(self) -> str | None:
-        """All failed guards on one line (``None`` for a first compile)."""
-        return "; ".join(self.recompile_reasons) or None
 
 
 def _recording(compiled: Callable, registry: BucketRegistry, graph_id: int) -> Callable:
@@ -246,15 +207,25 @@ class GraphCompiler:
                 record.graph_break, data_dependent=is_data_dependent(record.graph_break)
             ):
                 self.registry.freeze_layout()
-        except (DistCompileError, *compat.dynamo_control_flow()):
+        except DistCompileError:
+            self._abandon()
+            raise
+        except compat.dynamo_control_flow():
+            self._abandon()
+            self.lockstep.restarted()
             raise
         except Exception as exc:
+            self._abandon()
             doing = f"{self._doing} of graph {graph_id} ({len(gm.graph.nodes)} FX nodes)"
             explain = "distcompile.explain(model, *inputs) shows the graphs and segments"
             raise compile_failure(
                 self.target.rank, doing, self.target.config.backend, exc, extra=explain
             ) from exc
         return _recording(compiled, self.registry, graph_id)
+
+    def _abandon(self) -> None:
+        if self._together and self.lockstep.name:  # peers waiting for this rank's share: stop
+            self._sharing.abandon(self.lockstep.name)
 
     # -- the steps ---------------------------------------------------------------------
     def _take_recompile_reasons(self) -> tuple[str, ...]:
@@ -368,7 +339,7 @@ class GraphCompiler:
             compiler=timed_compiler,
             cacheable=cfg.backend == "inductor",
             sharing=self._sharing if together else None,
-            graph=f"call{self._calls}",
+            graph=self.lockstep.name,
         )
         return compiled, segment_s, reused
 

@@ -81,6 +81,15 @@ class Lockstep:
         self._after_break = False  # in this call, after a data-dependent break
         self._step = -1
         self._k = 0
+        self._restarted = False
+        self.name = ""  # the last compile checked, "step_k" (names its shared compile, when together)
+
+    def restarted(self) -> None:
+        """TorchDynamo restarted the trace of the graph just checked (its own control flow, from
+        inside a compile): the next graph is that one again, under the same key. A rank that
+        loaded its pieces from a peer's compile may not restart, so it is compared, not required."""
+        self._k -= 1
+        self._restarted = True
 
     def new_call(self) -> None:
         """A forward call begins: its compiles are checked again until a data-dependent break."""
@@ -100,6 +109,9 @@ class Lockstep:
             self._step, self._k = step, 0
         self._k += 1
         key = f"{self.prefix}/compile/{step}/{self._k}"
+        self.name = f"{step}_{self._k}"
+        again, self._restarted = self._restarted, False
+        recompile = recompile or again
         summary = "\n".join(structure(captured)) + "\nplan:\n" + plan.describe()
         if step == 0 and not recompile and (not self.data_dependent or self._k == 1):
             check_agreement(

@@ -124,6 +124,41 @@ def _fresh_outputs(template: object, fake_mode: object) -> object | None:
     return out if all(a.stride() == b.stride() for a, b in pairs) else None
 
 
+def _is_scalar(node: fx.Node) -> bool:
+    value = node.meta.get("example_value")
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
+def _scalars_stay_local(gm: fx.GraphModule, piece_of: dict[fx.Node, int]) -> None:
+    """Copy each scalar node (a ``SymInt``/``SymFloat`` computed in the graph) into every other
+    piece that reads it, instead of passing it from piece to piece.
+
+    Under ``dynamic=True``, a value such as ``math.sqrt(2 / math.pi)`` in HF GPT-2's GELU is a
+    ``SymFloat``; as a piece's output, AOTAutograd (2.13) saw a plain float in the forward
+    graph's outputs and failed (``'float' object has no attribute 'meta'``), as
+    ``torch.compile(DDP(model), dynamic=True)`` fails in DDPOptimizer. Copies go right before
+    their first reader; a copy's own scalar inputs are copied in turn, tensors are passed.
+    """
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    pending = [n for n in gm.graph.nodes if n in piece_of and _is_scalar(n)]
+    while pending:
+        node = pending.pop()
+        readers: dict[int, list[fx.Node]] = {}
+        for user in node.users:
+            if user in piece_of and piece_of[user] != piece_of[node]:
+                readers.setdefault(piece_of[user], []).append(user)
+        for piece, users in readers.items():
+            with gm.graph.inserting_before(min(users, key=lambda u: order[u])):
+                copy = gm.graph.node_copy(node)
+            copy.meta = dict(node.meta)
+            piece_of[copy] = piece
+            order[copy] = min(order[u] for u in users) - 0.5
+            for user in users:
+                user.replace_input_with(node, copy)
+            pending.extend(a for a in copy.all_input_nodes if a in piece_of and _is_scalar(a))
+    gm.graph.lint()
+
+
 def _needs_backward(args: Sequence[object]) -> bool:
     return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
@@ -275,6 +310,7 @@ def split_and_compile(
     piece_of = {}
     for k, (start, stop) in enumerate(pieces):
         piece_of.update((captured.body[i], k) for i in range(start, stop))
+    _scalars_stay_local(gm, piece_of)
     split_gm = split_module(gm, None, lambda node: piece_of.get(node, 0), keep_original_order=True)
     _propagate_metadata(gm, split_gm)
     fake_mode = compat.fake_mode_of(list(example_inputs))

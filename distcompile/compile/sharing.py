@@ -232,31 +232,44 @@ class CompileSharing:
             )
         return self.peers
 
-    def _wait_for(self, store: object, key: str, peer: int) -> None:
+    def abandon(self, graph: str) -> None:
+        """This rank left the shared compile ``graph`` (TorchDynamo restarted its trace, or it
+        failed): the peers waiting for its share compile those pieces themselves, now."""
+        try:
+            self._store().set(f"{self.prefix}/{graph}/abandoned/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - the original exception matters more
+            log.debug("rank %d: could not mark compile %s abandoned", self.rank, graph)
+
+    def _wait_for(self, store: object, key: str, peer: int, graph: str) -> None:
         # As long as Inductor waits for another process's compile of a kernel (its file
         # locks' 10 minutes), or desync_timeout_s if longer: compiling the piece here
         # instead would take about as long. Never forever: a dead peer's piece is then
-        # compiled here (and torchrun stops a job whose process died).
-        waited, limit = 0.0, max(self.timeout_s, PEER_WAIT_S)
-        while True:
-            step = min(self.timeout_s, limit - waited)
+        # compiled here (and torchrun stops a job whose process died); one that left this
+        # compile (abandon) is not waited for.
+        left = f"{self.prefix}/{graph}/abandoned/{peer}"
+        waited, limit, said = 0.0, max(self.timeout_s, PEER_WAIT_S), 0.0
+        while waited < limit:
             try:
-                store.wait([key], timedelta(seconds=step))
+                store.wait([key], timedelta(seconds=1.0))
                 return
             except Exception:  # noqa: BLE001 - the store's timeout error type differs across versions
-                waited += step
-            if waited >= limit:
-                log.warning(
-                    "rank %d: rank %d did not finish its share of the compiles within %.0f s; "
-                    "compiling that piece here",
-                    self.rank,
-                    peer,
-                    waited,
-                )
+                waited += 1.0
+            if store.check([left]):
                 return
-            log.info(
-                "rank %d: waiting %.0f s so far for rank %d's share of the compiles", self.rank, waited, peer
-            )
+            if waited - said >= self.timeout_s:
+                said = waited
+                log.info(
+                    "rank %d: waiting %.0f s so far for rank %d's share of the compiles",
+                    self.rank,
+                    waited,
+                    peer,
+                )
+        log.warning(
+            "rank %d: rank %d did not finish its share of the compiles within %.0f s; compiling that piece here",
+            self.rank,
+            peer,
+            waited,
+        )
 
     def compile_all(
         self, jobs: Sequence[CompileJob], *, compile_one: Callable[[CompileJob], object], graph: str
@@ -286,7 +299,7 @@ class CompileSharing:
                 finally:  # done or failed: the peers stop waiting either way
                     store.set(done[j], str(self.rank))
             for j in (j for j in range(len(jobs)) if j not in mine):
-                self._wait_for(store, done[j], peers[owner[j]])
+                self._wait_for(store, done[j], peers[owner[j]], graph)
                 out[j] = compile_one(jobs[j])
         log.debug(
             "rank %d compiled %d of %d distinct piece(s); peers %s", self.rank, len(mine), len(jobs), peers

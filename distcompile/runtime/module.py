@@ -18,7 +18,8 @@ from .._agreement import default_store, failed_ranks, layouts_agree, mark_failed
 from .._config import Config
 from .._errors import DistCompileError, UnsupportedModelError
 from ..capture.regions import RegionNotInlined, mark_repeated_blocks, region_failure_reason
-from ..compile.backend import CompileObserver, CompileTarget, GraphCompiler, GraphRecord
+from ..compile.backend import CompileObserver, CompileTarget, GraphCompiler
+from ..compile.record import GraphRecord
 from . import shutdown
 from .collectives import broadcast_coalesced
 from .ddp import Settings
