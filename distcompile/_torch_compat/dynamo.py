@@ -131,6 +131,9 @@ def inductor_compiler(
         # A backward is compiled lazily, inside the user's backward(): a failure there would
         # reach the user with no frame of ours. ``is_backward``: Inductor's own flag.
         try:
+            if kwargs.get("is_backward"):
+                with _keyed_on_donated_buffers():
+                    return compile_fx_inner(gm, example_inputs, **kwargs)
             return compile_fx_inner(gm, example_inputs, **kwargs)
         except Exception as exc:
             if on_backward_error is None or not kwargs.get("is_backward"):
@@ -143,6 +146,40 @@ def inductor_compiler(
     if fallback_random:
         patches["fallback_random"] = True
     return functools.partial(compile_fx, inner_compile=inner_compile, config_patches=patches)
+
+
+def _keyed_on_donated_buffers() -> contextlib.AbstractContextManager:
+    """A context in which Inductor's FX-graph cache key includes the backward's donated buffers.
+
+    Inductor compiles a backward that may reuse its donated inputs' memory (AOTAutograd's
+    ``donated_buffer``, read from the tracing context), but its cache key leaves the
+    donation out: a backward cached with donated buffers was loaded for a compile without
+    them (``donated_buffer = False``, for ``backward(retain_graph=True)``), and the second
+    backward's gradients came out wrong (torch 2.13, plain ``torch.compile`` too: max
+    |g2 - 2 g1| 0.0076 on a 7-layer MLP, 0 with an empty cache). A custom post-grad pass that
+    does nothing and whose ``uuid`` names the donated inputs puts them in the key. Checked:
+    2.13 (``post_grad_custom_post_pass``, ``CustomGraphPass``, ``utils.get_donated_idxs``).
+    """
+    try:
+        from torch._inductor import config
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+        from torch._inductor.utils import get_donated_idxs
+    except ImportError:
+        return contextlib.nullcontext()
+    donated = tuple(get_donated_idxs() or ())
+    user = config.post_grad_custom_post_pass
+    if user is not None and not isinstance(user, CustomGraphPass):
+        return contextlib.nullcontext()  # a pass Inductor cannot key bypasses its cache anyway
+
+    class DonationKey(CustomGraphPass):  # type: ignore[misc]
+        def __call__(self, graph: Any) -> None:
+            if user is not None:
+                user(graph)
+
+        def uuid(self) -> Any:
+            return ("distcompile-donated-buffers", donated, user.uuid() if user is not None else None)
+
+    return config.patch(post_grad_custom_post_pass=DonationKey())
 
 
 def inductor_modes() -> frozenset[str]:
