@@ -383,3 +383,53 @@ def moe_parity(rank: int, world: int, model_name: str, backend: str, dynamic: bo
         "ref_params": [p.detach().clone() for p in ref.module.parameters()],
         "params": [p.detach().clone() for p in ours.module.parameters()],
     }
+
+
+def backward_twice(rank: int, world: int) -> dict:
+    """``loss.backward(retain_graph=True); loss.backward()``: eager DDP synchronizes the first
+    only and the second accumulates locally; distcompile must give the same gradients."""
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False  # torch's rule for retain_graph=True under compile
+    torch.manual_seed(0)
+    base = BUILDERS["mlp_seq"]()
+    ref, ours = DDP(copy.deepcopy(base)), distcompile.wrap(DDP(copy.deepcopy(base)), backend="aot_eager")
+    grads = {}
+    for name, model in (("ref", ref), ("ours", ours)):
+        x, y = batch("mlp_seq", rank, 0)
+        loss = loss_fn("mlp_seq", model(x), y)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads[name] = [p.grad.clone() for p in model.module.parameters()]
+    return {"params": grads["ours"], "ref_params": grads["ref"], "losses": []}
+
+
+def gradient_penalty(rank: int, world: int, backend: str) -> dict:
+    """A loss with a gradient penalty on the input (``autograd.grad(..., create_graph=True)``)."""
+    torch.manual_seed(0)
+    base = BUILDERS["mlp_seq"]()
+    ref, ours = DDP(copy.deepcopy(base)), distcompile.wrap(DDP(copy.deepcopy(base)), backend=backend)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ref, ours)]
+    losses = []
+    try:
+        for step in range(3):
+            x, y = batch("mlp_seq", rank, step)
+            pair = []
+            for model, opt in zip((ref, ours), opts):
+                x = x.detach().requires_grad_()
+                loss = loss_fn("mlp_seq", model(x), y)
+                (dx,) = torch.autograd.grad(loss, x, create_graph=True)
+                total = loss + 0.1 * dx.pow(2).sum()
+                total.backward()
+                opt.step()
+                opt.zero_grad()
+                pair.append(float(total.detach()))
+            losses.append(pair)
+    except distcompile.UnsupportedModelError as exc:
+        return {"error": str(exc)}
+    return {
+        "error": None,
+        "losses": losses,
+        "ref_params": [p.detach().clone() for p in ref.module.parameters()],
+        "params": [p.detach().clone() for p in ours.module.parameters()],
+    }

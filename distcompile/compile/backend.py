@@ -28,7 +28,7 @@ from torch import fx
 from .. import _torch_compat as compat
 from .._agreement import default_store
 from .._config import Config
-from .._errors import CompileError, DistCompileError, RecompileError
+from .._errors import CompileError, DistCompileError, RecompileError, UnsupportedModelError
 from ..capture.breaks import graph_break_reason, is_data_dependent
 from ..capture.flops import node_flops
 from ..capture.graph import CapturedGraph, read_graph
@@ -75,12 +75,38 @@ class CompileObserver(Protocol):
         """``compiled``, with each segment's forward and backward timed."""
 
 
-def _recording(compiled: Callable, registry: BucketRegistry, graph_id: int) -> Callable:
+def _no_double_backward(backend: str) -> Callable[[object], None]:
+    def check(grad_outputs: object) -> None:
+        if torch.is_grad_enabled():  # the engine enables it for backward(create_graph=True) only
+            raise UnsupportedModelError(
+                "a backward with create_graph=True (a gradient penalty: autograd.grad(..., "
+                f"create_graph=True)) reached a graph compiled with backend={backend!r}: AOTAutograd's "
+                "compiled backward cannot be differentiated again (torch.compile fails here too). Use "
+                "wrap(..., backend='eager') for this model (TorchDynamo's graphs run eager kernels, whose "
+                "backward can be differentiated; buckets and overlap are the same), or compute the "
+                "penalty outside the wrapped model."
+            )
+
+    return check
+
+
+def _recording(compiled: Callable, registry: BucketRegistry, graph_id: int, backend: str) -> Callable:
+    check = _no_double_backward(backend) if backend != "eager" else None
+
     # TorchDynamo calls a backend's result with positional tensors (never boxed).
     def run(*args: object) -> object:
-        if torch.is_grad_enabled():
-            registry.record_graph(graph_id)
-        return compiled(*args)
+        if not torch.is_grad_enabled():
+            return compiled(*args)
+        registry.record_graph(graph_id)
+        out = compiled(*args)
+        if check is not None:  # before the compiled backward runs: the user sees why, not torch's internals
+            node = next(
+                (t.grad_fn for t in compat.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn),
+                None,
+            )
+            if node is not None:
+                node.register_prehook(check)
+        return out
 
     return run
 
@@ -221,7 +247,7 @@ class GraphCompiler:
             raise compile_failure(
                 self.target.rank, doing, self.target.config.backend, exc, extra=explain
             ) from exc
-        return _recording(compiled, self.registry, graph_id)
+        return _recording(compiled, self.registry, graph_id, self.target.config.backend)
 
     def _abandon(self) -> None:
         if self._together and self.lockstep.name:  # peers waiting for this rank's share: stop

@@ -172,3 +172,15 @@ def test_a_routed_mixture_of_experts_whose_graphs_differ_by_data(
         used = [r["experts_used"] for r in results]
         assert any(len({tuple(u[step]) for u in used}) > 1 for step in range(4)), used
         assert any(len(u[step]) < 4 for u in used for step in range(4)), used  # some expert unused
+
+
+def test_a_second_backward_accumulates_as_under_eager_ddp() -> None:
+    _check(run_ranks(ddp_workers.backward_twice, 2), in_sync=False)  # DDP syncs the first only
+
+
+def test_a_gradient_penalty_trains_under_eager_and_is_a_clear_error_when_compiled() -> None:
+    results = run_ranks(ddp_workers.gradient_penalty, 2, "eager")
+    assert all(r["error"] is None for r in results), results[0]["error"]
+    _check(results)
+    for res in run_ranks(ddp_workers.gradient_penalty, 2, "aot_eager"):
+        assert "create_graph=True" in res["error"] and "backend='eager'" in res["error"], res["error"]
