@@ -249,11 +249,12 @@ class CompileSharing:
         left = f"{self.prefix}/{graph}/abandoned/{peer}"
         waited, limit, said = 0.0, max(self.timeout_s, PEER_WAIT_S), 0.0
         while waited < limit:
+            slice_s = min(1.0, self.timeout_s, limit - waited)  # then a look for the peer's abandon
             try:
-                store.wait([key], timedelta(seconds=1.0))
+                store.wait([key], timedelta(seconds=slice_s))
                 return
             except Exception:  # noqa: BLE001 - the store's timeout error type differs across versions
-                waited += 1.0
+                waited += slice_s
             if store.check([left]):
                 return
             if waited - said >= self.timeout_s:

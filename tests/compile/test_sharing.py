@@ -65,6 +65,24 @@ def test_a_rank_compiles_its_share_then_waits_for_its_peer_but_never_forever(cap
     assert store.check(["t/g/3/0", "t/g/3/2"]) and not store.check(["t/g/3/1"])
 
 
+def test_a_peer_that_left_the_compile_is_not_waited_for(caplog) -> None:  # noqa: ANN001
+    """TorchDynamo restarted the peer's trace (or its compile failed): it marked the compile
+    abandoned, and this rank compiles the peer's share at once instead of waiting."""
+    import time
+
+    small = fx.symbolic_trace(nn.ReLU())
+    jobs = [CompileJob(small, [], "a"), CompileJob(small, [], "b")]
+    store = dist.HashStore()
+    sharing = CompileSharing(lambda: store, "t", rank=0, ranks=(0, 1), timeout_s=60)
+    sharing.peers = (0, 1)
+    CompileSharing(lambda: store, "t", rank=1, ranks=(0, 1), timeout_s=60).abandon("g")
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO):
+        out = sharing.compile_all(jobs, compile_one=lambda job: job.key, graph="g")
+    assert out == ["a", "b"] and time.monotonic() - t0 < 10, time.monotonic() - t0
+    assert "did not finish its share" not in caplog.text
+
+
 def _peers(rank: int, world: int, folders: list[str]) -> tuple[int, ...]:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = folders[rank]
     from distcompile._agreement import default_store
