@@ -281,14 +281,8 @@ def telemetry_run(rank: int, world: int, logdir: str, all_ranks: bool) -> dict:
         opt.zero_grad()
         s = model.last_step
         stats.append(
-            {
-                "step": s.step,
-                "fwd_bwd_ms": s.fwd_bwd_ms,
-                "overlap_pct": s.overlap_pct,
-                "exposed_comm_ms": s.exposed_comm_ms,
-                "buckets": s.buckets,
-                "timed_step": s.timed_step,
-            }
+            {"step": s.step, "fwd_bwd_ms": s.fwd_bwd_ms, "buckets": s.buckets, "timed_step": s.timed_step}
+            | s.figures()
         )
     model.close()
     return {"stats": stats}

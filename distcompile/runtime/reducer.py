@@ -132,6 +132,7 @@ class BucketReducer:
         self._step: _Step | None = None
         self._warned_unsynced = False
         self.last_step = StepStats()
+        self._waited_s = 0.0  # host time blocked on communication in the open step
         self._index_of = {id(p): i for i, p in enumerate(self.params.values())}
         self._name_of = {id(p): n for n, p in self.params.items()}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params.values()]
@@ -152,6 +153,7 @@ class BucketReducer:
                 self._schedules.clear()  # buckets are rebuilt for the new hook
             self.optimizers.adopt_new()
             self._step = _Step(join_work, divide_by_initial)
+            self._waited_s = 0.0
             if self.observer is not None:
                 self.observer.begin_step()
 
@@ -285,8 +287,17 @@ class BucketReducer:
         if self.comm_hook is None or not isinstance(bucket, FlatBucket) or previous is None:
             return True
         if wait:
-            previous.wait()
+            self._blocked(bucket.index - 1, previous.wait)
         return previous.done()
+
+    def _blocked(self, index: int, wait: Callable[[], object]) -> None:
+        """Run ``wait`` (blocks on bucket ``index``'s communication), timing the host's wait."""
+        t0 = time.perf_counter()
+        wait()
+        t1 = time.perf_counter()
+        self._waited_s += t1 - t0
+        if self.observer is not None:
+            self.observer.waited(index, t0, t1)
 
     def _launch(self, bucket: Bucket, scale: float, *, is_last: bool) -> None:
         try:
@@ -306,7 +317,7 @@ class BucketReducer:
         used flags, reduced together once every hook is done: a hook may chain collectives)."""
         for bucket in order:
             try:
-                bucket.wait()
+                self._blocked(bucket.index, bucket.wait)
             except Exception as exc:
                 raise self._comm_error(bucket, "waiting for", exc) from exc
         hooked = [b for b in order if isinstance(b, FlatBucket) and self.comm_hook is not None]
@@ -357,7 +368,6 @@ class BucketReducer:
         self._step = None
         if step is None or step.order is None:
             return
-        t0 = time.perf_counter()
         self._launch_ready(step, all_remaining=True)
         self._wait_and_write(step.order)
         self.optimizers.end_step()
@@ -379,7 +389,7 @@ class BucketReducer:
             fwd_bwd_ms=(t1 - step.forward_at) * 1e3,
             buckets=len(step.order),
             bytes=sum(b.nbytes for b in step.order),
-            exposed_comm_ms=(t1 - t0) * 1e3,
+            wait_ms=self._waited_s * 1e3,
             launch_ms=[(b.launched_at - step.started) * 1e3 for b in step.order],
         )
         if self.observer is not None:

@@ -31,20 +31,21 @@ def gantt_figure(spans: Sequence[Span], *, title: str, origin: float):
         for s in spans:
             if (s.track, s.lane) != (track, lane):
                 continue
-            fwd = s.name.endswith("fwd")
+            fwd, eager = s.name.endswith("fwd"), s.name.startswith("eager")
             width, left = (s.end - s.start) * 1e3, (s.start - origin) * 1e3
             ax.barh(
                 y,
                 width,
                 left=left,
                 height=0.6,
-                color=colors.get(track, "gray"),
+                color="lightgray" if eager else colors.get(track, "gray"),
                 alpha=0.55 if fwd else 0.95,
                 edgecolor="black",
                 linewidth=0.3,
             )
             if track == "compute" and width >= 0.04 * span_ms:
-                ax.text(left + width / 2, y, s.name.split(".", 1)[-1], ha="center", va="center", fontsize=7)
+                label = "eager" if eager else s.name.split(".", 1)[-1]
+                ax.text(left + width / 2, y, label, ha="center", va="center", fontsize=7)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([t if t == "compute" else f"all-reduce b{lane}" for t, lane in rows])
     ax.invert_yaxis()

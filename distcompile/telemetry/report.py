@@ -8,6 +8,7 @@ import re
 import statistics
 
 from .sink import require_extra
+from .timeline import describe_figures, mean_figures
 
 __all__ = ["summarize", "find_runs"]
 
@@ -50,6 +51,17 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _figures(s: dict[str, list[tuple[int, float]]]) -> dict:
+    """Mean communication figures over the steps after step 0, as the demo and bench take them."""
+    keys = ("comm_ms", "overlapped_ms", "exposed_ms", "wait_ms")
+    per_step: dict[int, dict] = {}
+    for key in keys:
+        for step, v in s.get(f"step/{key}", []):
+            if step > 0:
+                per_step.setdefault(step, {})[key] = v
+    return mean_figures(list(per_step.values())) if per_step else {}
+
+
 def summarize(run: str) -> str:
     """A short text summary of one run directory.
 
@@ -66,7 +78,7 @@ def summarize(run: str) -> str:
 
     compile_tags = sorted(t for t in s if re.fullmatch(r"compile/graph_\d+_s", t))
     compile_s = sum(v for t in compile_tags for _, v in s[t])
-    segments = sum(1 for t in s if re.fullmatch(r"compile/graph_\d+_segment_\d+_s", t))
+    pieces = sum(1 for t in s if re.fullmatch(r"compile/graph_\d+_piece_\d+_s", t))
     last = lambda tag: s[tag][-1][1] if s.get(tag) else 0  # noqa: E731
     times = values("step/time_ms")
     bucket_tags = sorted(
@@ -75,7 +87,7 @@ def summarize(run: str) -> str:
     slowest = max(bucket_tags, key=lambda t: _median(values(t)), default=None)
     lines = [
         f"run: {run}",
-        f"compile: {len(compile_tags)} graph(s), {segments} segment(s), {compile_s:.2f} s (forward; "
+        f"compile: {len(compile_tags)} graph(s), {pieces} compiled piece(s), {compile_s:.2f} s (forward; "
         f"Inductor compiles backward during step 0); recompiles {last('compile/recompiles'):.0f}, "
         f"graph breaks {last('compile/graph_breaks'):.0f}, cache hits {last('compile/cache_hits'):.0f}",
         f"steps: {len(s.get('step/time_ms', []))}; forward+backward median {_median(times):.1f} ms "
@@ -83,8 +95,7 @@ def summarize(run: str) -> str:
         f"step 0 {s['step/time_ms'][0][1]:.0f} ms"
         if s.get("step/time_ms")
         else "steps: 0",
-        f"communication: median in flight {_median(values('step/comm_ms')):.1f} ms, exposed "
-        f"{_median(values('step/exposed_comm_ms')):.1f} ms, overlap {_median(values('step/overlap_pct')):.1f}%",
+        f"communication per step (mean of steps 1+): {describe_figures(_figures(s))}",
     ]
     for text in _texts(run, "compile/recompile_reasons"):
         lines.append("recompile: " + text.replace("\n", "\n  "))

@@ -20,7 +20,7 @@ from .._errors import ConfigError
 from .clock import PendingSpan, PendingStep, PendingSteps, StepTimeline, clock_for
 from .figure import gantt_figure
 from .instrument import instrument
-from .timeline import Span, chrome_trace, overlap_pct, union
+from .timeline import Span, chrome_trace, comm_figures, fill_gaps
 
 if TYPE_CHECKING:
     from ..runtime.reducer import StepStats
@@ -35,7 +35,7 @@ class Telemetry:
 
     Attributes:
         timeline: Spans of the open step.
-        last_overlap_pct: Overlap of the last finished step.
+        last_figures: Communication figures of the last step written (``comm_figures``).
     """
 
     def __init__(
@@ -74,7 +74,8 @@ class Telemetry:
         self._first_warm_step: int | None = None
         self.recompiles = 0
         self.graph_breaks: list[str] = []
-        self.last_overlap_pct = 0.0
+        self.last_figures: dict[str, float | None] = {}
+        self._callbacks: list[torch.futures.Future] = []
         self._derived: dict[str, float] = {}
 
     # -- compile side (compile.backend.CompileObserver) ------------------------------------
@@ -97,7 +98,7 @@ class Telemetry:
         cache_hits: int,
     ) -> None:
         self._compile_spans.append(
-            Span("compile", f"graph {graph_id}", start, end, args={"segments": len(segment_s)})
+            Span("compile", f"graph {graph_id}", start, end, args={"pieces": len(segment_s)})
         )
         self._compiled_this_step = True
         self.graph_breaks.extend(breaks)
@@ -108,7 +109,7 @@ class Telemetry:
             return
         w.add_scalar(f"compile/graph_{graph_id}_s", end - start, step)
         for k, s in enumerate(segment_s):
-            w.add_scalar(f"compile/graph_{graph_id}_segment_{k}_s", s, step)
+            w.add_scalar(f"compile/graph_{graph_id}_piece_{k}_s", s, step)
         w.add_scalar("compile/recompiles", self.recompiles, step)
         w.add_scalar("compile/graph_breaks", len(self.graph_breaks), step)
         w.add_scalar("compile/cache_hits", cache_hits, step)
@@ -148,7 +149,16 @@ class Telemetry:
             span.end = clock.mark()
             timeline.add(span)
 
-        future.then(done)
+        chained = future.then(done)
+        if not clock.lazy:
+            # A waiter may wake before the callbacks run: end_step waits for them, so that
+            # no span of this step lands in the next one (or nowhere).
+            self._callbacks.append(chained)
+
+    def waited(self, index: int, start: float, end: float) -> None:
+        # Host time: meaningful on CPU only (on CUDA the host does not wait for NCCL).
+        if not self.clock.lazy and end > start:
+            self.timeline.add(PendingSpan("wait", f"wait bucket {index}", start, end))
 
     def _wants_figure(self, step: int, compiled: bool) -> bool:
         # A step that compiled (step 0: capture and the lazy backward compile) would show
@@ -168,6 +178,9 @@ class Telemetry:
         """
         step = self._open
         assert step is not None, "end_step without begin_step"
+        for chained in self._callbacks:
+            chained.wait()
+        self._callbacks = []
         step.step, step.end, step.spans = stats.step, self.clock.mark(), self.timeline.finish()
         step.extra = (stats, self._compiled_this_step)
         self._open = None
@@ -180,29 +193,44 @@ class Telemetry:
             self._derived = self._write_step(stats, compiled, list(spans), step.host_origin)
         return dict(self._derived)
 
+    def _computation(self, spans: list[Span]) -> list[Span]:
+        """``spans`` plus, on CPU, compute spans for the host's work outside compiled segments.
+
+        On CPU the training thread is the compute engine: inside the step, whenever it is
+        not blocked on communication, it computes (eager code, Python, autograd, bucket
+        copies, an optimizer in backward). On CUDA only timed segments count.
+        """
+        step = next((s for s in spans if s.track == "step"), None)
+        if self.clock.lazy or step is None:
+            return spans
+        compute = sorted((s for s in spans if s.track == "compute"), key=lambda s: s.start)
+        waits = [(s.start, s.end) for s in spans if s.track == "wait"]
+        filled = []
+        for lo, hi in fill_gaps([(s.start, s.end) for s in compute], (step.start, step.end), waits):
+            after = next((s for s in compute if s.start >= hi), None)
+            name = f"eager before {after.name}" if after else "eager after segments"
+            filled.append(Span("compute", name, lo, hi, args={"outside": "compiled segments"}))
+        return spans + filled
+
     def _write_step(self, stats: StepStats, compiled: bool, spans: list[Span], origin: float) -> dict:
-        comm = [(s.start, s.end) for s in spans if s.track == "comm"]
-        compute = [(s.start, s.end) for s in spans if s.track == "compute"]
-        overlap = overlap_pct(comm, compute)
-        comm_ms = sum(e - s for s, e in union(comm)) * 1e3
-        derived = {"overlap_pct": overlap, "comm_ms": comm_ms, "timed_step": stats.step}
-        if self.clock.lazy:
-            # The host never waits for an all-reduce here: exposed is GPU time, the
-            # communication that no computation hid.
-            derived["exposed_comm_ms"] = comm_ms * (1 - overlap / 100)
-        exposed = derived.get("exposed_comm_ms", stats.exposed_comm_ms)
-        self.last_overlap_pct = overlap
+        spans = self._computation(spans)
+        figures = comm_figures(
+            [(s.start, s.end) for s in spans if s.track == "comm"],
+            [(s.start, s.end) for s in spans if s.track == "compute"],
+        )
+        derived = {**figures, "timed_step": stats.step}
+        self.last_figures = figures
+        shown = {k: round(v, 3) for k, v in figures.items() if v is not None}
         for s in spans:
             if s.track == "step":
-                s.args.update(overlap_pct=round(overlap, 2), exposed_comm_ms=round(exposed, 3))
+                s.args.update(shown, wait_ms=round(stats.wait_ms, 3))
         w = self.writer
         if w is not None:
             values = {
                 "step/time_ms": stats.fwd_bwd_ms,
-                "step/exposed_comm_ms": exposed,
-                "step/overlap_pct": overlap,
-                "step/comm_ms": comm_ms,
+                "step/wait_ms": stats.wait_ms,
                 "comm/megabytes": stats.bytes / 2**20,
+                **{f"step/{k}": v for k, v in figures.items() if v is not None},
             }
             for s in spans:
                 if s.track == "comm":
@@ -211,10 +239,11 @@ class Telemetry:
         if self.trace_every and stats.step % self.trace_every == 0:
             self._write_trace(spans, stats.step, origin)
         if w is not None and self._wants_figure(stats.step, compiled):
+            pct = figures["overlap_pct"]
             fig = gantt_figure(
                 spans,
-                title=f"rank {self.rank}, step {stats.step}: "
-                f"overlap {overlap:.0f}%, exposed comm {exposed:.1f} ms",
+                title=f"rank {self.rank}, step {stats.step}: overlap "
+                f"{'-' if pct is None else f'{pct:.0f}%'}, exposed comm {figures['exposed_ms']:.1f} ms",
                 origin=origin,
             )
             w.add_figure("timeline/step", fig, stats.step, close=True)

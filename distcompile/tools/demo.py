@@ -21,6 +21,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 
+from ..telemetry.timeline import describe_figures, fmt, mean_figures
+
 __all__ = ["COMPARE", "run_demo", "worker"]
 
 #: What runs by default, and what ``--compare`` adds (what users are told to try first).
@@ -91,8 +93,7 @@ def _train(name: str, model: object, cfg: object, steps: int, device: str, write
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
         if name == "distcompile" and step > 0:
-            s = model.last_step
-            comm.append((s.comm_ms, s.exposed_comm_ms, s.overlap_pct))
+            comm.append(model.last_step.figures())
         if writer is not None:
             writer.add_scalar("train/loss", losses[-1], step)
             writer.add_scalar("train/step_ms", times[-1] * 1e3, step)
@@ -108,9 +109,7 @@ def _train(name: str, model: object, cfg: object, steps: int, device: str, write
             graphs=len(model.graphs),
             segments=sum(len(g.plan.segments) for g in model.graphs),
             buckets=model.last_step.buckets,
-            comm_ms=statistics.median(c[0] for c in comm),
-            exposed_ms=statistics.median(c[1] for c in comm),
-            overlap_pct=statistics.median(c[2] for c in comm),
+            **mean_figures(comm),
         )
     return out
 
@@ -183,7 +182,7 @@ def _rows(res: dict, names: list[str]) -> list[str]:
 def _verdict(res: dict) -> str:
     ours, m = res["distcompile"], res["meta"]
     step = res["eager DDP"]["median_ms"]
-    share = ours["comm_ms"] / max(step, 1e-9)
+    share = (ours["comm_ms"] or 0.0) / max(step, 1e-9)
     if m["device"] == "cpu" and m["link"] == "loopback" and m["world_size"] >= (m["cpu_cores"] or 1):
         why = (
             f"its {m['world_size']} ranks share {m['cpu_cores']} CPU cores and talk over loopback, where an "
@@ -193,11 +192,11 @@ def _verdict(res: dict) -> str:
         why = "communication is a small share of the step"
     else:
         return (
-            f"distcompile overlapped {ours['overlap_pct']:.0f}% of its {ours['comm_ms']:.1f} ms of all-reduce per "
-            f"step with backward; {ours['exposed_ms']:.1f} ms stayed exposed ({share:.0%} of eager DDP's step)."
+            f"distcompile overlapped {fmt(ours['overlap_pct'], '.0f', '%')} of its {fmt(ours['comm_ms'])} ms of "
+            f"all-reduce per step with computation; {fmt(ours['exposed_ms'])} ms stayed exposed."
         )
     return (
-        f"Little to gain on this machine: {why} (all-reduce {ours['comm_ms']:.1f} ms of a {step:.1f} ms step). "
+        f"Little to gain on this machine: {why} (all-reduce {fmt(ours['comm_ms'])} ms of a {step:.1f} ms step). "
         "distcompile pays where communication is a large share of the step and runs beside compute: a slow "
         "link (`distcompile demo --link 1gbit`, as root), GPUs, bigger models (`distcompile bench`)."
     )
@@ -210,8 +209,7 @@ def _table(res: dict) -> tuple[str, bool]:
     lines += [
         "",
         f"distcompile: {ours['graphs']} graph(s), {ours['segments']} segment(s), {ours['buckets']} bucket(s); "
-        f"per step (median): all-reduce {ours['comm_ms']:.1f} ms, exposed {ours['exposed_ms']:.1f} ms, "
-        f"overlapped with backward {ours['overlap_pct']:.0f}%",
+        f"per step (mean of steps 1+): {describe_figures(ours)}",
         _verdict(res),
     ]
     ok = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -12,11 +13,13 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from distcompile.telemetry.timeline import mean_figures, union
 from distcompile.tools.cli import main as cli_main
 from tests import workers
 from tests.harness import free_port, run_ranks
 
-STEP_TAGS = ["step/time_ms", "step/exposed_comm_ms", "step/overlap_pct", "step/comm_ms", "comm/megabytes"]
+FIGURES = ["comm_ms", "overlapped_ms", "exposed_ms", "overlap_pct", "wait_ms"]
+STEP_TAGS = ["step/time_ms", *(f"step/{k}" for k in FIGURES), "comm/megabytes"]
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +47,8 @@ def test_tensorboard_scalars_one_per_step_and_plausible(run) -> None:
     assert "compile/graph_0_s" in tags["scalars"] and "compile/recompiles" in tags["scalars"]
     # On CPU every step's figures are its own (on CUDA they may describe an earlier step).
     assert [s["timed_step"] for s in results[0]["stats"]] == [0, 1, 2, 3]
-    for t, e, o in zip(
-        acc.Scalars("step/time_ms"), acc.Scalars("step/exposed_comm_ms"), acc.Scalars("step/overlap_pct")
-    ):
-        assert 0 <= o.value <= 100
-        assert 0 <= e.value <= t.value
+    for t, o in zip(acc.Scalars("step/time_ms"), acc.Scalars("step/overlap_pct")):
+        assert 0 <= o.value <= 100 and t.value > 0
     assert "plan/graph_0/text_summary" in tags["tensors"]
     # Step 0 compiles: the first picture is of step 1 (the first warm step), then every 2.
     assert [i.step for i in acc.Images("timeline/step")] == [1, 3]
@@ -75,6 +75,38 @@ def test_chrome_traces_per_rank_with_comm_inside_the_step(run) -> None:
         assert any(e["name"].endswith("bwd") for e in spans if e["cat"] == "compute")
     first = json.loads((logdir / "traces" / "trace_rank0_step0.json").read_text())
     assert any(e.get("cat") == "compile" for e in first["traceEvents"])
+
+
+def test_every_tool_shows_the_same_figures_for_the_same_steps(run, capsys) -> None:
+    """model.last_step, the TensorBoard scalars, the trace's step annotations and the report agree."""
+    logdir, results = run
+    stats = results[0]["stats"]
+    acc = _scalars(logdir)
+    for key in FIGURES:
+        board = [e.value for e in acc.Scalars(f"step/{key}")]
+        assert board == pytest.approx([s[key] for s in stats], rel=1e-5, abs=1e-6), key
+    for s in stats:
+        assert s["comm_ms"] > 0 and s["overlap_pct"] is not None
+        assert s["overlapped_ms"] + s["exposed_ms"] == pytest.approx(s["comm_ms"], rel=1e-9)
+        assert s["overlap_pct"] == pytest.approx(100 * s["overlapped_ms"] / s["comm_ms"])
+    for step in (0, 2):
+        doc = json.loads((logdir / "traces" / f"trace_rank0_step{step}.json").read_text())
+        spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+        (annot,) = [e["args"] for e in spans if e["cat"] == "step"]
+        for key in FIGURES:
+            assert annot[key] == pytest.approx(stats[step][key], abs=1e-3), (step, key)
+        if step == 2:  # a warm step: the compute track covers the step wherever the host did not wait
+            (win,) = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["cat"] == "step"]
+            busy = union([(e["ts"], e["ts"] + e["dur"]) for e in spans if e["cat"] in ("compute", "wait")])
+            assert sum(min(e, win[1]) - max(s, win[0]) for s, e in busy) >= 0.999 * (win[1] - win[0])
+            assert any(e["name"].startswith("eager") for e in spans if e["cat"] == "compute")
+    assert cli_main(["report", str(logdir)]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("communication per step")]
+    mean = mean_figures(stats[1:])
+    shown = [float(x) for x in re.findall(r"\d+\.?\d*", line.split(":", 1)[1])]
+    expect = [mean[k] for k in ("comm_ms", "overlapped_ms", "exposed_ms", "overlap_pct", "wait_ms")]
+    for got, want, digits in zip(shown, expect, (1, 1, 1, 0, 1)):  # as printed: ms to 0.1, % to 1
+        assert abs(got - want) <= 0.5 * 10**-digits + 1e-9, (line, mean)
 
 
 def test_report_prints_summary(run, capsys) -> None:

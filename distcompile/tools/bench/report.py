@@ -28,6 +28,15 @@ def _fmt(x: float | None, unit: str = "", nd: int = 1) -> str:
     return "-" if x is None else f"{x:.{nd}f}{unit}"
 
 
+#: The communication columns, as ``telemetry.timeline.mean_figures`` names them, then the estimate.
+FIGURE_HEADS = ("comm ms", "overlapped ms", "exposed ms", "wait ms", "overlap %", "over compute ms")
+
+
+def _figure_cells(r: dict) -> tuple[str, ...]:
+    keys = ("comm_ms", "overlapped_ms", "exposed_ms", "wait_ms", "overlap_pct", "over_compute_ms")
+    return tuple(_fmt(r.get(k)) for k in keys)
+
+
 def _peak(r: dict, ddp: dict) -> str:
     if "peak_rss_mb" not in r:
         return "-"
@@ -63,7 +72,7 @@ def gpu_table(res: dict) -> str:
         "vs DDPOpt",
         "vs DDPOpt+CG",
     )
-    rows = [head + ("exposed ms", "overlap %", "syncs/step", "cold s", "warm s", "peak GPU MB")]
+    rows = [head + (*FIGURE_HEADS, "syncs/step", "cold s", "warm s", "peak GPU MB")]
     v = res["variants"]
     floor, ddp, ddpopt, cg = (
         v.get(n, {}) for n in ("compile_noddp", "ddp", "compile_ddpopt", "compile_ddpopt_cg")
@@ -85,8 +94,7 @@ def gpu_table(res: dict) -> str:
                 _ratio(m, ddp),
                 _ratio(m, ddpopt),
                 _ratio(m, cg),
-                _fmt(r.get("exposed_ms")),
-                _fmt(r.get("overlap_pct")),
+                *_figure_cells(r),
                 _fmt(r.get("host_syncs_per_step"), "", 1),
                 _fmt(r.get("cold_first_step_s"), "", 2),
                 _fmt(r.get("warm_first_step_s"), "", 2),
@@ -131,8 +139,7 @@ def table(res: dict) -> str:
             "vs DDPOpt",
             "vs floor",
             "vs CPU floor",
-            "exposed ms",
-            "overlap %",
+            *FIGURE_HEADS,
             "cold s",
             "warm s",
             "peak RSS MB",
@@ -142,7 +149,7 @@ def table(res: dict) -> str:
     floor = res["floor"]["floor_ms"]
     for name, r in v.items():
         if "error" in r:
-            rows.append((name, "failed: " + r["error"][:60], *[""] * 11))
+            rows.append((name, "failed: " + r["error"][:60], *[""] * (len(rows[0]) - 2)))
             continue
         m = r["median_ms"]
         rows.append(
@@ -155,8 +162,7 @@ def table(res: dict) -> str:
                 _ratio(m, v.get("compile_ddpopt", {})),
                 _fmt(m / floor, "x", 3),
                 _fmt(m / res["floor"]["cpu_floor_ms"] if "cpu_floor_ms" in res["floor"] else None, "x", 3),
-                _fmt(r.get("exposed_ms")),
-                _fmt(r.get("overlap_pct")),
+                *_figure_cells(r),
                 _fmt(r.get("cold_first_step_s"), "", 2),
                 _fmt(r.get("warm_first_step_s"), "", 2),
                 _peak(r, v.get("ddp", {})),
@@ -214,14 +220,17 @@ def report_markdown(res: dict) -> str:
                 table(res),
                 "```",
                 "",
-                "exposed ms: time `backward()` waited for communication (distcompile's own figure); for the other "
-                "variants, step time minus the compute-only step (an estimate). overlap %: share of all-reduce "
-                "time that ran under computation (distcompile telemetry; not measurable for the others). cold s / "
+                "comm / overlapped / exposed ms, overlap %: distcompile's telemetry, per step, mean over the measured "
+                "steps of rank 0 (docs/telemetry.md: communication = union of all-reduce spans, overlapped = the part "
+                "under computation, exposed = the rest; overlap % = overlapped / communication); `-`: not measured "
+                "(the other variants have no such telemetry). wait ms: host time blocked on communication (rank skew "
+                "included). over compute ms: median step minus the compute-only step (an estimate of what "
+                "communication costs, for every variant). cold s / "
                 "warm s: the first step of the variant alone in a new pair of processes, with an empty compile cache of "
                 "its own / with the cache that run filled. peak RSS MB: the larger rank's peak resident memory in the "
                 "warm process, which built only this variant and ran its warm-up steps (ratio to eager DDP's)."
                 + (
-                    " On GPUs: exposed ms of distcompile is GPU time of communication no computation hid; "
+                    " On GPUs: distcompile's figures are GPU times (CUDA events), computation being its segments; "
                     "syncs/step counts synchronizing CUDA runtime calls (profiler, 3 warm steps); peak GPU MB is "
                     "torch.cuda.max_memory_allocated in that warm process."
                     if gpu

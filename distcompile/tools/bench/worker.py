@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import distcompile
 
+from ...telemetry.timeline import mean_figures
 from .floor import measure_floor
 from .gpu import gpu_meta, profile_steps
 from .variants import VARIANTS, Variant, build
@@ -131,9 +132,7 @@ def _run_rounds(w: Workload, variants: list[Variant], results: dict[str, dict]) 
                     if not w.cuda:
                         v.times.append(seconds)
                     if v.name.startswith("dc_"):
-                        s = v.model.last_step
-                        results[v.name].setdefault("_exposed", []).append(s.exposed_comm_ms)
-                        results[v.name].setdefault("_overlap", []).append(s.overlap_pct)
+                        results[v.name].setdefault("_figures", []).append(v.model.last_step.figures())
                 if w.cuda:  # one wait per block: the host runs ahead within it, as in training
                     w.sync()
                     v.read_events()
@@ -158,10 +157,9 @@ def _summarize(w: Workload, variants: list[Variant], results: dict[str, dict], c
     for v in variants:
         r = results[v.name]
         if v.name.startswith("dc_"):
-            r["exposed_ms"] = statistics.median(r.pop("_exposed"))
-            r["overlap_pct"] = statistics.median(r.pop("_overlap"))
-        elif compute_step:
-            r["exposed_ms"] = max(0.0, r["median_ms"] - compute_step)
+            r.update(mean_figures(r.pop("_figures")))  # this rank's (rank 0 writes the report)
+        if compute_step:
+            r["over_compute_ms"] = r["median_ms"] - compute_step
 
 
 def _meta(w: Workload) -> dict:
