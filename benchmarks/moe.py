@@ -110,7 +110,9 @@ def main() -> None:
                     "graphs": graphs.get(name),
                 }
             )
-        print(f"\nMixtral ({args.experts} experts), {world} ranks, batch 4 x {args.tokens}, {args.rounds} x {args.block} steps each")
+        print(
+            f"\nMixtral ({args.experts} experts), {world} ranks, batch 4 x {args.tokens}, {args.rounds} x {args.block} steps each"
+        )
         print(f"{'variant':<20} {'median step':>12} {'min':>9} {'max':>9} {'vs eager DDP':>13} {'graphs':>7}")
         for row in rows:
             print(

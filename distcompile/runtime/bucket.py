@@ -6,15 +6,15 @@ The schedule of buckets and the algorithm are in ``reducer.py`` (Note [Bucketed 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .._errors import UnsupportedModelError
+from .._errors import CommunicationError, NonFiniteGradientError, UnsupportedModelError
 from .hooks import CommHook
 
-__all__ = ["FlatBucket"]
+__all__ = ["FlatBucket", "comm_error", "raise_if_nonfinite"]
 _COMPRESSED = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -147,6 +147,10 @@ class FlatBucket:
             return []
         return [n for n, v in zip(self.names, self.wire_views) if not bool(torch.isfinite(v).all())]
 
+    def done(self) -> bool:
+        """Whether the reduction finished (``wait`` would not block); False under a hook."""
+        return self.future is None and self.work is not None and self.work.is_completed()
+
     def wait(self) -> None:
         """Wait for the reduction; the reduced values are in the bucket after it."""
         if self.future is not None:
@@ -199,3 +203,40 @@ class FlatBucket:
                 p.grad = src.to(p.dtype, copy=True)
             else:
                 p.grad.copy_(src)
+
+
+def raise_if_nonfinite(buckets: Sequence, step: int) -> None:
+    """Raise ``NonFiniteGradientError`` naming the first bucket (``FlatBucket`` or sparse) whose
+    synchronized gradients hold NaN or Inf (``detect_nonfinite``), before any optimizer steps.
+
+    Example:
+        >>> raise_if_nonfinite([], 0)  # nothing to check
+    """
+    for bucket in buckets:
+        bad = bucket.nonfinite()
+        if bad:
+            raise NonFiniteGradientError(
+                f"step {step}: bucket {bucket.index} holds NaN/Inf gradients after the all-reduce, in "
+                f"{', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}. Every rank stops here (they all "
+                "see the same averaged gradients), before any optimizer in backward stepped. Lower the "
+                "learning rate, check the inputs of this step, or use a loss scaler; set "
+                "detect_nonfinite=False to skip the check."
+            )
+
+
+def comm_error(
+    bucket: object, step: int, peers: Callable[[], str], doing: str, exc: Exception
+) -> CommunicationError:
+    """The error for a failed all-reduce of ``bucket`` in ``step``, with what is known of the peers.
+
+    Example:
+        >>> b = type("B", (), {"index": 1, "nbytes": 8, "params": [None]})()
+        >>> str(comm_error(b, 3, lambda: "", "waiting for", RuntimeError("gone")))[:52]
+        'rank 0: waiting for the all-reduce of bucket 1 (8 by'
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return CommunicationError(
+        f"rank {rank}: {doing} the all-reduce of bucket {bucket.index} "  # type: ignore[attr-defined]
+        f"({bucket.nbytes} bytes, {len(bucket.params)} parameters) in step {step} failed: "  # type: ignore[attr-defined]
+        f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}. {peers()}"
+    )

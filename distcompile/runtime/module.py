@@ -151,7 +151,7 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
                 where=self._where,
                 tolerance=config.verify_tolerance,
                 compressed=settings.compression is not None,
-                stepped=lambda: self._reducer.optimizers.ids,
+                stepped=self._reducer.optimizers.stepped_ids,
                 hooked=lambda: self._reducer.comm_hook.name if self._reducer.comm_hook else "",
             )
             if config.verify
@@ -340,6 +340,30 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
             yield
         finally:
             self._sync = previous
+
+    def attach_optimizer(
+        self, optimizer: torch.optim.Optimizer | None, *, per_parameter: bool = False
+    ) -> None:
+        """Step ``optimizer`` inside each synchronized backward, bucket by bucket, under communication.
+
+        Each bucket's parameters are stepped as soon as its averaged gradients are written, while
+        later buckets are still on the wire, so only the last bucket's step is exposed. Your loop
+        stops calling ``optimizer.step()`` (a call after such a backward does nothing, and raises
+        ``ConfigError`` if the gradients were changed since, e.g. clipped). Gradients stay in place:
+        keep ``zero_grad()``. For SGD, Adam, AdamW and the other per-parameter ``torch.optim``
+        optimizers; ``per_parameter=True`` vouches for another whose step treats each parameter on
+        its own. ``None`` detaches. Backwards under ``no_sync()`` do not step (as a plain loop that
+        steps after the synchronized one). See docs/getting-started.md, "The optimizer under
+        communication".
+
+        Example:
+            >>> # opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            >>> # model.attach_optimizer(opt)
+            >>> # for x, y in data:
+            >>> #     loss_fn(model(x), y).backward()   # steps opt bucket by bucket
+            >>> #     opt.zero_grad()
+        """
+        self._reducer.optimizers.attach(optimizer, per_parameter=per_parameter)
 
     def close(self) -> None:
         """Flush TensorBoard files and traces, remove gradient hooks; the module stops synchronizing.

@@ -1,4 +1,9 @@
-"""The optimizer in backward: ``_apply_optimizer_in_backward`` steps on averaged gradients.
+"""Optimizers stepped inside backward, on averaged gradients, bucket by bucket.
+
+Two kinds meet here, at one hook point of the reducer (a bucket's gradients written):
+torch's ``_apply_optimizer_in_backward`` (below), and an optimizer the user attached with
+``model.attach_optimizer`` (``attached_optimizer.py``, Note [The optimizer under
+communication]).
 
 ``torch.distributed.optim._apply_optimizer_in_backward`` gives each parameter its own
 optimizer, stepped by a hook on the parameter's gradient accumulator, on the *local*
@@ -17,6 +22,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .. import _torch_compat as compat
+from .._errors import ConfigError
+from .attached_optimizer import AttachedOptimizer
 
 __all__ = ["OptimizersInBackward"]
 
@@ -35,6 +42,34 @@ class OptimizersInBackward:
     def __init__(self, params: Mapping[str, torch.nn.Parameter]) -> None:
         self.params = dict(params)
         self.ids: set[int] = set()
+        self.attached: AttachedOptimizer | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether any optimizer steps inside backward."""
+        return bool(self.ids) or self.attached is not None
+
+    def stepped_ids(self) -> set[int]:
+        """Parameters some optimizer steps inside backward (their values change in it)."""
+        return self.ids | (self.attached.ids if self.attached is not None else set())
+
+    def attach(self, opt: torch.optim.Optimizer | None, *, per_parameter: bool = False) -> None:
+        """Step ``opt`` bucket by bucket from the next synchronized backward on (``None``: stop)."""
+        if self.attached is not None:
+            self.attached.detach()
+            self.attached = None
+        if opt is None:
+            return
+        att = AttachedOptimizer(opt, self.params, per_parameter=per_parameter)
+        both = att.ids & self.ids
+        if both:
+            att.detach()
+            raise ConfigError(
+                f"attach_optimizer: {len(both)} parameter(s) of this optimizer already have an optimizer in "
+                "backward (_apply_optimizer_in_backward); each would step twice. Use one of the two."
+            )
+        self.attached = att
+        log.info("attached optimizer: %s steps bucket by bucket inside backward", type(opt).__name__)
 
     def adopt_new(self) -> None:
         """Take torch's own step-on-local-gradient hooks off parameters that got optimizers."""
@@ -51,6 +86,8 @@ class OptimizersInBackward:
 
     def step(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Step the optimizers of ``params`` (their averaged gradients are written)."""
+        if self.attached is not None:
+            self.attached.step(params)
         if not self.ids:
             return
         for p in params:
@@ -59,7 +96,10 @@ class OptimizersInBackward:
                     opt.step()
 
     def end_step(self) -> None:
-        """As DDP: the gradients of parameters stepped in backward are ``None`` after it."""
+        """As DDP: the gradients of parameters stepped in backward are ``None`` after it (an
+        attached optimizer's are kept, as after a plain ``opt.step()``)."""
+        if self.attached is not None:
+            self.attached.end_step()
         if not self.ids:
             return
         for p in self.params.values():

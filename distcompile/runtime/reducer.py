@@ -22,7 +22,9 @@ Algorithm
       already multiplied by ``1/world_size`` (and cast, under compression), then starts
       ``all_reduce(async_op=True)``.
     * A callback queued on the autograd engine runs when ``backward()`` finishes: it
-      launches what is left, waits for every bucket in order, and writes ``param.grad``.
+      launches what is left, waits for every bucket in order, and writes ``param.grad``
+      (an attached optimizer steps each bucket after its write; its buckets already done
+      are written during backward: Note [The optimizer under communication]).
 
 Notes
     * Every flat buffer ends with one flag per parameter (1 if this rank produced a
@@ -41,8 +43,7 @@ Notes
       later steps accumulate straight into the bucket and launching needs no copy.
 
 Debugging
-    ``StepStats`` of the last step are on ``BucketReducer.last_step``; set
-    ``TORCH_LOGS=+distcompile`` (or logging DEBUG for ``distcompile``) to see launches.
+    ``BucketReducer.last_step`` holds the last ``StepStats``; DEBUG logging for ``distcompile`` shows launches.
 """
 
 from __future__ import annotations
@@ -56,29 +57,24 @@ import torch
 import torch.distributed as dist
 
 from .. import _torch_compat as compat
-from .._errors import CommunicationError, ConfigError, DistCompileError, NonFiniteGradientError
-from .bucket import FlatBucket
+from .._errors import CommunicationError, ConfigError, DistCompileError
+from .bucket import FlatBucket, comm_error, raise_if_nonfinite
 from .hooks import CommHook
 from .optim_in_backward import OptimizersInBackward
-from .schedule import Bucket, build_schedule, claimed_by, layout_groups, report_uncompiled, static_groups
+from .schedule import (
+    Bucket,
+    OpenStep,
+    build_schedule,
+    claimed_by,
+    layout_groups,
+    report_uncompiled,
+    static_groups,
+)
 from .stats import StepObserver, StepStats
 
 __all__ = ["BucketReducer", "StepObserver", "StepStats"]
 
 log = logging.getLogger(__name__)
-
-
-class _Step:
-    def __init__(self, join_work: dist.Work | None, divide_by_initial: bool) -> None:
-        self.graphs: list[int] = []
-        self.order: list[Bucket] | None = None
-        self.cursor = 0
-        self.forward_at = time.perf_counter()
-        self.started = 0.0
-        self.scale: float | None = None
-        # Under Join: the all-reduce counting the ranks that have not joined (DDP's rule:
-        # divide by them instead of the world size when divide_by_initial_world_size=False).
-        self.join_work = None if divide_by_initial else join_work
 
 
 class BucketReducer:
@@ -129,7 +125,7 @@ class BucketReducer:
         self._graph_buckets: dict[int, list[list[str]]] = {}
         # graphs that ran -> (buckets in launch order, id(param) -> (bucket, slot))
         self._schedules: dict[tuple[int, ...], tuple[list[Bucket], dict]] = {}
-        self._step: _Step | None = None
+        self._step: OpenStep | None = None
         self._warned_unsynced = False
         self.last_step = StepStats()
         self._waited_s = 0.0  # host time blocked on communication in the open step
@@ -152,7 +148,7 @@ class BucketReducer:
                 (self.comm_hook, self.compression), self._pending_hook = self._pending_hook, None
                 self._schedules.clear()  # buckets are rebuilt for the new hook
             self.optimizers.adopt_new()
-            self._step = _Step(join_work, divide_by_initial)
+            self._step = OpenStep(join_work, divide_by_initial)
             self._waited_s = 0.0
             if self.observer is not None:
                 self.observer.begin_step()
@@ -176,7 +172,7 @@ class BucketReducer:
         """Parameters bucketed by graphs that already ran in the open step."""
         return set() if self._step is None else self._claimed_by(self._step)
 
-    def _claimed_by(self, step: _Step) -> set[str]:
+    def _claimed_by(self, step: OpenStep) -> set[str]:
         return claimed_by(self._graph_buckets, step.graphs)
 
     @property
@@ -256,8 +252,38 @@ class BucketReducer:
             bucket.ready[i] = True
             bucket.n_ready += 1
         self._launch_ready(step)
+        if self.optimizers.active and self._streaming():
+            self._write_finished(step)
 
-    def _scale(self, step: _Step) -> float:
+    def _streaming(self) -> bool:
+        """Whether each bucket is written as it finishes (not under a hook: flags are reduced
+        together; nor detect_nonfinite: all are checked before any step)."""
+        return self.comm_hook is None and not self.detect_nonfinite
+
+    def _write_finished(self, step: OpenStep) -> None:
+        """During backward: write (and step) the launched buckets whose all-reduce is done, in order."""
+        while step.written < step.cursor:
+            bucket = step.order[step.written]  # type: ignore[index]
+            if not (isinstance(bucket, FlatBucket) and bucket.done()):
+                return
+            self._wait(bucket)
+            self._write(bucket)
+            self.optimizers.step(bucket.params)
+            step.written += 1
+
+    def _wait(self, bucket: Bucket) -> None:
+        try:
+            self._blocked(bucket.index, bucket.wait)
+        except Exception as exc:
+            raise comm_error(bucket, self.steps, self.describe_peers, "waiting for", exc) from exc
+
+    def _write(self, bucket: Bucket, used: torch.Tensor | None = None) -> None:
+        if isinstance(bucket, FlatBucket):
+            bucket.write(bucket.wire[bucket.numel :] if used is None else used)
+        else:
+            bucket.write()
+
+    def _scale(self, step: OpenStep) -> float:
         if step.scale is None:
             step.scale = 1.0 / self.world_size
             if step.join_work is not None:  # divide by the ranks that have not joined
@@ -265,7 +291,7 @@ class BucketReducer:
                 step.scale = 1.0 / max(float(step.join_work.result()[0].item()), 1.0)
         return step.scale
 
-    def _launch_ready(self, step: _Step, *, all_remaining: bool = False) -> None:
+    def _launch_ready(self, step: OpenStep, *, all_remaining: bool = False) -> None:
         order = step.order
         assert order is not None
         while step.cursor < len(order):
@@ -278,11 +304,9 @@ class BucketReducer:
             step.cursor += 1
 
     def _previous_hook_done(self, bucket: Bucket, *, wait: bool) -> bool:
-        """Under a communication hook, one bucket's hook at a time: the next is called once the
-        previous one's future is done. A hook may issue more collectives from its futures'
-        callbacks, on the process group's threads (PowerSGD does, and waits there); two chains
-        at once could order them differently on two ranks, or, on gloo, leave no thread to run
-        them (eager DDP with PowerSGD and three buckets hung on gloo in our runs)."""
+        """Under a hook, one bucket's hook at a time: a hook may chain collectives from its futures'
+        callbacks (PowerSGD does); two chains at once could order them differently on two ranks,
+        or leave gloo no thread to run them (eager DDP with PowerSGD, 3 buckets, hung on gloo)."""
         previous = self._last_hooked
         if self.comm_hook is None or not isinstance(bucket, FlatBucket) or previous is None:
             return True
@@ -294,8 +318,7 @@ class BucketReducer:
         """Run ``wait`` (blocks on bucket ``index``'s communication), timing the host's wait."""
         t0 = time.perf_counter()
         wait()
-        t1 = time.perf_counter()
-        self._waited_s += t1 - t0
+        self._waited_s += (t1 := time.perf_counter()) - t0
         if self.observer is not None:
             self.observer.waited(index, t0, t1)
 
@@ -310,16 +333,21 @@ class BucketReducer:
         except DistCompileError:
             raise
         except Exception as exc:
-            raise self._comm_error(bucket, "launching", exc) from exc
+            raise comm_error(bucket, self.steps, self.describe_peers, "launching", exc) from exc
 
     def _wait_and_write(self, order: list[Bucket], *, write: bool = True) -> None:
-        """Wait for every bucket in order, then write gradients (a hook's buckets after their
-        used flags, reduced together once every hook is done: a hook may chain collectives)."""
+        """Wait for every bucket in order and write its gradients, stepping any optimizer in
+        backward after each bucket while the later ones are still in flight. With a hook, the
+        used flags are reduced together once every hook is done (a hook may chain collectives);
+        with detect_nonfinite every bucket is checked before any optimizer steps."""
+        streaming = write and self._streaming()
         for bucket in order:
-            try:
-                self._blocked(bucket.index, bucket.wait)
-            except Exception as exc:
-                raise self._comm_error(bucket, "waiting for", exc) from exc
+            self._wait(bucket)
+            if streaming:
+                self._write(bucket)
+                self.optimizers.step(bucket.params)
+        if streaming:
+            return
         hooked = [b for b in order if isinstance(b, FlatBucket) and self.comm_hook is not None]
         used: dict[int, torch.Tensor] = {}
         if hooked:
@@ -329,10 +357,10 @@ class BucketReducer:
         if not write:
             return
         for bucket in order:
-            if isinstance(bucket, FlatBucket):
-                bucket.write(used[bucket.index] if bucket.index in used else bucket.wire[bucket.numel :])
-            else:
-                bucket.write()
+            self._write(bucket, used.get(bucket.index))
+        if self.detect_nonfinite:
+            raise_if_nonfinite(order, self.steps)
+        for bucket in order:
             self.optimizers.step(bucket.params)
 
     def shadow_step(self) -> None:
@@ -352,13 +380,6 @@ class BucketReducer:
             self._launch(bucket, 1.0 / self.world_size, is_last=i == len(order) - 1)
         self._wait_and_write(order, write=False)
 
-    def _comm_error(self, bucket: Bucket, doing: str, exc: Exception) -> CommunicationError:
-        return CommunicationError(
-            f"rank {dist.get_rank()}: {doing} the all-reduce of bucket {bucket.index} "
-            f"({bucket.nbytes} bytes, {len(bucket.params)} parameters) in step {self.steps} failed: "
-            f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}. {self.describe_peers()}"
-        )
-
     def finish_step(self) -> None:
         """End the open step now, inside ``backward()``: launch and wait for every bucket (idempotent)."""
         self._finish_step()
@@ -369,20 +390,9 @@ class BucketReducer:
         if step is None or step.order is None:
             return
         self._launch_ready(step, all_remaining=True)
-        self._wait_and_write(step.order)
+        self._wait_and_write(step.order[step.written :])
         self.optimizers.end_step()
         self._last_order = step.order
-        if self.detect_nonfinite:
-            for bucket in step.order:
-                bad = bucket.nonfinite()
-                if bad:
-                    raise NonFiniteGradientError(
-                        f"step {self.steps}: bucket {bucket.index} holds NaN/Inf gradients after the "
-                        f"all-reduce, in {', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}. Every rank "
-                        "stops here (they all see the same averaged gradients). Lower the learning rate, "
-                        "check the inputs of this step, or use a loss scaler; set detect_nonfinite=False "
-                        "to skip the check."
-                    )
         t1 = time.perf_counter()
         stats = StepStats(
             step=self.steps,

@@ -3,16 +3,42 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
 from .bucket import FlatBucket
 from .sparse import SparseBucket
 
-__all__ = ["Bucket", "build_schedule", "claimed_by", "layout_groups", "report_uncompiled", "static_groups"]
+__all__ = [
+    "Bucket",
+    "OpenStep",
+    "build_schedule",
+    "claimed_by",
+    "layout_groups",
+    "report_uncompiled",
+    "static_groups",
+]
 
 Bucket = FlatBucket | SparseBucket
+
+
+class OpenStep:
+    """Where the open synchronized step stands: graphs run, buckets launched and written."""
+
+    def __init__(self, join_work: dist.Work | None, divide_by_initial: bool) -> None:
+        self.graphs: list[int] = []
+        self.order: list[Bucket] | None = None
+        self.cursor = 0  # buckets launched
+        self.written = 0  # buckets whose gradients are written (and stepped, if an optimizer is)
+        self.forward_at = time.perf_counter()
+        self.started = 0.0
+        self.scale: float | None = None
+        # Under Join: the all-reduce counting the ranks that have not joined (DDP's rule:
+        # divide by them instead of the world size when divide_by_initial_world_size=False).
+        self.join_work = None if divide_by_initial else join_work
 
 
 def claimed_by(graph_buckets: Mapping[int, Sequence[Sequence[str]]], graphs: Sequence[int]) -> set[str]:

@@ -38,6 +38,7 @@ VARIANTS = {
     "dc_auto": "distcompile, inductor, bucket_cap_mb='auto'",
     "dc_auto_bf16_tail": "distcompile, inductor, 'auto' buckets, bf16 on the tail bucket only",
     "dc_auto_bf16": "distcompile, inductor, 'auto' buckets, bf16 compression",
+    "dc_auto_optim": "distcompile, inductor, 'auto' buckets, optimizer attached (stepped under communication)",
 }
 #: Variants that need CUDA (CUDA graphs).
 CUDA_ONLY = ("compile_ddpopt_cg", "dc_cudagraphs")
@@ -132,7 +133,10 @@ def build(w: Workload, name: str) -> Variant:
     with compat.set_optimize_ddp(mode):
         model = _model(w, name)
     ctx = compat.compiled_autograd if name == "compiled_autograd" else contextlib.nullcontext
-    return Variant(name, model, w.optimizer(model.parameters()), mode, ctx)
+    opt = w.optimizer(model.parameters())
+    if name.endswith("_optim"):
+        model.attach_optimizer(opt)  # the step's opt.step() then does nothing
+    return Variant(name, model, opt, mode, ctx)
 
 
 def _model(w: Workload, name: str) -> torch.nn.Module:
