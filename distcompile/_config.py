@@ -59,6 +59,11 @@ class Config:
             recompiled once as dynamic), ``True`` (every dimension dynamic from the first
             compile) or ``False`` (never dynamic: every new shape recompiles).
         cudagraphs: Record each segment in a CUDA graph. CUDA only.
+        split_shared: Reduce each use of a shared parameter apart (a tied embedding's output
+            projection early in backward, its lookup at the end) and an embedding table's
+            tail by the rows looked up, when cheaper (Note [Shared weights reduced by
+            use]). Off under a communication hook. ``False``: one reduction per parameter,
+            as DDP.
         regions: Trace each class of repeated block once (the layers of an
             ``nn.ModuleList`` or ``nn.Sequential``, as TorchDynamo's nested compile
             regions) and copy that trace for the other blocks whose inputs and guards
@@ -112,6 +117,7 @@ class Config:
     fullgraph: bool = False
     dynamic: bool | None = None
     cudagraphs: bool = False
+    split_shared: bool = True
     regions: bool = True
     recompile: str = "allow"
     check_params: bool = True

@@ -409,7 +409,7 @@ def tail_compression(rank: int, world: int) -> dict:
         "ref": {n: p.grad.clone() for n, p in ref.module.named_parameters()},
         "ours": {n: p.grad.clone() for n, p in ours.module.named_parameters()},
         "wire": {n: b.wire.dtype for b in order for n in b.names},
-        "tail": [n for n in order[-1].names],
+        "tail": [n for b in order if b.tail for n in b.names],
     }
 
 

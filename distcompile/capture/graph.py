@@ -101,8 +101,25 @@ def read_graph(
             (len(body) if u.op == "output" else index.get(u, -1) for u in node.users),
             default=-1,
         )
-        nodes.append(NodeInfo(node.name, tuple(reads), last_user))
+        nodes.append(NodeInfo(node.name, tuple(reads), last_user, _lookups(node, param_of)))
     return CapturedGraph(body=body, nodes=tuple(nodes), params=params, blocks=find_blocks(body))
+
+
+#: Embedding lookups as TorchDynamo records them, and where each takes its table.
+_LOOKUPS = {
+    torch.nn.functional.embedding: lambda n: n.kwargs.get("weight", n.args[1] if len(n.args) > 1 else None),
+    torch.embedding: lambda n: n.args[0] if n.args else n.kwargs.get("weight"),
+    torch.ops.aten.embedding.default: lambda n: n.args[0] if n.args else n.kwargs.get("weight"),
+}
+
+
+def _lookups(node: fx.Node, param_of: dict[fx.Node, str]) -> tuple[str, ...]:
+    """The parameter read as the table of an embedding lookup at ``node`` (dense gradient only)."""
+    table = _LOOKUPS.get(node.target) if node.op == "call_function" else None  # type: ignore[arg-type]
+    if table is None or node.kwargs.get("sparse") or (len(node.args) > 6 and node.args[6]):
+        return ()
+    name = param_of.get(table(node))  # type: ignore[arg-type]
+    return (name,) if name is not None else ()
 
 
 def _module_path(source: str) -> str:

@@ -28,7 +28,7 @@ from torch import fx
 from .. import _torch_compat as compat
 from .._agreement import default_store
 from .._config import Config
-from .._errors import CompileError, DistCompileError, RecompileError, UnsupportedModelError
+from .._errors import CompileError, DistCompileError, RecompileError
 from ..capture.breaks import graph_break_reason, is_data_dependent
 from ..capture.flops import node_flops
 from ..capture.graph import CapturedGraph, read_graph
@@ -36,11 +36,13 @@ from ..capture.guards import condense_guard_failures, recompile_note
 from ..capture.regions import inline_regions
 from ..planning.costs import CostModel
 from ..planning.plan import GraphCosts, Plan, plan_graph
+from ..planning.split import SplitPlan, split_shared
 from .failures import compile_failure
 from .lockstep import Lockstep
 from .record import GraphRecord
 from .segments import inner_compiler, split_and_compile
 from .sharing import CompileSharing
+from .wrappers import divert_parts, recording
 
 __all__ = ["BucketRegistry", "CompileObserver", "CompileTarget", "GraphCompiler"]
 
@@ -55,8 +57,13 @@ class BucketRegistry(Protocol):
     def claimed(self) -> set[str]:
         """Parameters bucketed by graphs that already ran in the open step."""
 
-    def add_graph(self, graph_id: int, buckets: Sequence[Sequence[str]]) -> None:
-        """Register a graph's planned buckets (parameter names)."""
+    def add_graph(
+        self, graph_id: int, buckets: Sequence[Sequence[str]], split: SplitPlan, plan: Plan
+    ) -> None:
+        """Register a graph's planned buckets (parameter names) and its split shared parameters."""
+
+    def take_part(self, name: str, grad: torch.Tensor) -> bool:
+        """Take a part's gradient (``compile.divert``); False: it stays with its parameter."""
 
     def record_graph(self, graph_id: int) -> None:
         """Note that the graph ran with gradients in the open step."""
@@ -73,42 +80,6 @@ class CompileObserver(Protocol):
 
     def instrument(self, compiled: Callable, graph_id: int) -> Callable:
         """``compiled``, with each segment's forward and backward timed."""
-
-
-def _no_double_backward(backend: str) -> Callable[[object], None]:
-    def check(grad_outputs: object) -> None:
-        if torch.is_grad_enabled():  # the engine enables it for backward(create_graph=True) only
-            raise UnsupportedModelError(
-                "a backward with create_graph=True (a gradient penalty: autograd.grad(..., "
-                f"create_graph=True)) reached a graph compiled with backend={backend!r}: AOTAutograd's "
-                "compiled backward cannot be differentiated again (torch.compile fails here too). Use "
-                "wrap(..., backend='eager') for this model (TorchDynamo's graphs run eager kernels, whose "
-                "backward can be differentiated; buckets and overlap are the same), or compute the "
-                "penalty outside the wrapped model."
-            )
-
-    return check
-
-
-def _recording(compiled: Callable, registry: BucketRegistry, graph_id: int, backend: str) -> Callable:
-    check = _no_double_backward(backend) if backend != "eager" else None
-
-    # TorchDynamo calls a backend's result with positional tensors (never boxed).
-    def run(*args: object) -> object:
-        if not torch.is_grad_enabled():
-            return compiled(*args)
-        registry.record_graph(graph_id)
-        out = compiled(*args)
-        if check is not None:  # before the compiled backward runs: the user sees why, not torch's internals
-            node = next(
-                (t.grad_fn for t in compat.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn),
-                None,
-            )
-            if node is not None:
-                node.register_prehook(check)
-        return out
-
-    return run
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +186,9 @@ class GraphCompiler:
                 gm, example_inputs, captured, plan, graph_id, planned_by, reasons, together
             )
             self._doing = "registering the graph's buckets"
-            self.registry.add_graph(graph_id, [b.params for b in plan.buckets])
+            split = split_shared(plan, captured.nodes) if self.target.config.split_shared else SplitPlan()
+            self.registry.add_graph(graph_id, [b.params for b in plan.buckets], split, plan)
+            compiled = divert_parts(compiled, split, captured.params, self.registry.take_part)
             record = GraphRecord(
                 graph_id=graph_id,
                 plan=plan,
@@ -227,6 +200,7 @@ class GraphCompiler:
                 cache_hits=compat.compile_cache_hits() - hits_before,
                 planned_by=planned_by,
                 pieces_reused=reused,
+                split=split,
             )
             compiled = self._record(record, compiled, t0)
             if self.lockstep.ended_at(
@@ -247,7 +221,7 @@ class GraphCompiler:
             raise compile_failure(
                 self.target.rank, doing, self.target.config.backend, exc, extra=explain
             ) from exc
-        return _recording(compiled, self.registry, graph_id, self.target.config.backend)
+        return recording(compiled, self.registry, graph_id, self.target.config.backend)
 
     def _abandon(self) -> None:
         if self._together and self.lockstep.name:  # peers waiting for this rank's share: stop
@@ -389,6 +363,8 @@ class GraphCompiler:
             record.cache_hits,
             self._backward_note(record.plan),
         )
+        if record.split.parts or record.split.rows:
+            log.info("graph %d: %s", record.graph_id, record.split.describe().replace("\n", "; "))
         reasons = record.recompile_reasons
         if reasons:
             # Every rank recompiles together (the agreement check makes sure): the first speaks.
@@ -407,7 +383,7 @@ class GraphCompiler:
             start=t0,
             end=t0 + record.compile_s,
             segment_s=record.segment_compile_s,
-            plan_table=f"planned by {record.planned_by}\n{record.plan.describe()}",
+            plan_table=f"planned by {record.planned_by}\n{record.plan.describe()}\n{record.split.describe()}".strip(),
             breaks=[record.graph_break] if record.graph_break else [],
             recompile_reasons=reasons,
             cache_hits=record.cache_hits,

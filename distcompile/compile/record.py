@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..planning.plan import Plan
+from ..planning.split import SplitPlan
 
 __all__ = ["GraphRecord"]
 
@@ -30,6 +31,8 @@ class GraphRecord:
             costs (``bucket_cap_mb="auto"``).
         pieces_reused: Pieces (``plan.pieces``) that took the compiled function of an
             identical earlier piece (a repeated block) instead of being compiled.
+        split: Shared parameters whose uses are reduced apart, and embedding tables reduced
+            by rows (Note [Shared weights reduced by use]).
     """
 
     graph_id: int
@@ -42,6 +45,7 @@ class GraphRecord:
     cache_hits: int = 0
     planned_by: str = ""
     pieces_reused: int = 0
+    split: SplitPlan = SplitPlan()
 
     @property
     def recompile_reason(self) -> str | None:

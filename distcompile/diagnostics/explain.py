@@ -13,6 +13,7 @@ from .._errors import ConfigError, UnsupportedModelError
 from ..capture.breaks import graph_break_reason
 from ..capture.graph import own_forward_code, read_graph
 from ..planning.plan import Plan, _fmt_bytes, plan_graph
+from ..planning.split import SplitPlan, split_shared
 from ..runtime.ddp import bucket_caps
 
 __all__ = ["explain", "Explanation", "ExplainedGraph"]
@@ -30,6 +31,7 @@ class ExplainedGraph:
         graph_break: Why the graph ended early (reason and user code line), or ``None``.
         plan: Its segments and buckets.
         params_read: Trainable parameters the graph reads.
+        split: Shared parameters reduced by use, and tables reduced by rows (``split_shared``).
     """
 
     graph_id: int
@@ -37,6 +39,7 @@ class ExplainedGraph:
     graph_break: str | None
     plan: Plan
     params_read: tuple[str, ...]
+    split: SplitPlan = SplitPlan()
 
 
 @dataclass(slots=True)
@@ -93,10 +96,12 @@ class Explanation:
                 )
             if p.foreign:
                 lines.append(f"  reads parameters bucketed by an earlier graph: {', '.join(p.foreign)}")
+            lines.extend(f"  {line}" for line in g.split.describe().splitlines())
         if self.shared:
             lines.append("")
             lines.append(
-                "parameters read more than once (bucketed once, with the first use): "
+                "parameters read more than once (bucketed with the first use; with split_shared, a later "
+                "use in another segment is reduced early on its own, see 'split:' above): "
                 + ", ".join(f"{n} x{c}" for n, c in self.shared.items())
             )
         if self.not_in_graphs:
@@ -158,7 +163,10 @@ def explain(
         )
         owned.update(plan.first_use)
         reads = tuple(n for n in param_bytes if n in plan.first_use or n in plan.foreign)
-        graphs.append(ExplainedGraph(len(graphs), len(captured.nodes), graph_break_reason(gm), plan, reads))
+        split = split_shared(plan, captured.nodes)
+        graphs.append(
+            ExplainedGraph(len(graphs), len(captured.nodes), graph_break_reason(gm), plan, reads, split)
+        )
         return gm.forward
 
     torch.compile(clone, backend=record)(*example_inputs, **example_kwargs)

@@ -69,11 +69,14 @@ class NodeInfo:
         params: Names of the trainable parameters the node reads.
         last_user: Index of the last node that reads this node's value
             (``len(nodes)`` for the graph output, ``-1`` if nothing reads it).
+        lookups: Those of ``params`` read as the table of an embedding lookup (their
+            gradient from this node touches only the rows looked up).
     """
 
     name: str
     params: tuple[str, ...] = ()
     last_user: int = -1
+    lookups: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

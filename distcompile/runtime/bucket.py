@@ -14,7 +14,7 @@ import torch.distributed as dist
 from .._errors import CommunicationError, NonFiniteGradientError, UnsupportedModelError
 from .hooks import CommHook
 
-__all__ = ["FlatBucket", "comm_error", "raise_if_nonfinite"]
+__all__ = ["FlatBucket", "OneParamBucket", "comm_error", "raise_if_nonfinite"]
 _COMPRESSED = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -59,6 +59,7 @@ class FlatBucket:
         self.work: dist.Work | None = None
         self.future: torch.futures.Future | None = None
         self.launched_at = 0.0
+        self.tail = False  # in the tail: final only when backward ends (set by build_schedule)
 
     @property
     def nbytes(self) -> int:
@@ -203,6 +204,43 @@ class FlatBucket:
                 p.grad = src.to(p.dtype, copy=True)
             else:
                 p.grad.copy_(src)
+
+
+class OneParamBucket:
+    """What a bucket of one parameter reduced apart (sparse, or by rows) keeps between steps.
+
+    Example:
+        >>> b = OneParamBucket(3, "w", torch.nn.Parameter(torch.zeros(2)))
+        >>> b.names, b.ready, b.tail
+        (['w'], [False], False)
+    """
+
+    def __init__(self, index: int, name: str, param: torch.nn.Parameter) -> None:
+        self.index = index
+        self.names = [name]
+        self.params = [param]
+        self.ready = [False]
+        self.n_ready = 0
+        self.produced: tuple[bool, ...] = ()
+        self.work: dist.Work | None = None
+        self.launched_at = 0.0
+        self.tail = False  # in the tail: final only when backward ends (set by build_schedule)
+
+    def reset(self) -> None:
+        self.ready = [False]
+        self.n_ready = 0
+        self.work = None
+
+    def local_flags(self) -> torch.Tensor:
+        """1 if this rank produced a gradient."""
+        return torch.tensor([float(self.produced[0])], device=self.params[0].device)
+
+    def _take_work(self) -> dist.Work:
+        if self.work is None:
+            raise RuntimeError(f"bucket {self.index}: wait() before launch()")
+        work, self.work = self.work, None
+        work.wait()
+        return work
 
 
 def raise_if_nonfinite(buckets: Sequence, step: int) -> None:

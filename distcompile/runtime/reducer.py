@@ -58,9 +58,12 @@ import torch.distributed as dist
 
 from .. import _torch_compat as compat
 from .._errors import CommunicationError, ConfigError, DistCompileError
-from .bucket import FlatBucket, comm_error, raise_if_nonfinite
+from ..planning.plan import Plan
+from ..planning.split import SplitPlan
+from .bucket import FlatBucket, comm_error
 from .hooks import CommHook
 from .optim_in_backward import OptimizersInBackward
+from .parts import SharedParts
 from .schedule import (
     Bucket,
     OpenStep,
@@ -71,13 +74,14 @@ from .schedule import (
     static_groups,
 )
 from .stats import StepObserver, StepStats
+from .writeback import WriteBack
 
 __all__ = ["BucketReducer", "StepObserver", "StepStats"]
 
 log = logging.getLogger(__name__)
 
 
-class BucketReducer:
+class BucketReducer(WriteBack):
     """Owns gradient synchronization for the trainable parameters of one wrapped model.
 
     Example:
@@ -109,7 +113,9 @@ class BucketReducer:
         self._last_order: list[Bucket] | None = None  # the last synchronized step's (Join shadows it)
         self._last_hooked: torch.futures.Future | None = None  # the previous bucket's hook (one at a time)
         self.optimizers = OptimizersInBackward(self.params)
+        self.parts = SharedParts(self.params)  # Note [Shared weights reduced by use]
         self._static: list[list[str]] | None = None  # a frozen layout (freeze_layout)
+        self._static_rows: set[int] = set()  # its row-reduced parameters
         self._freeze = freeze
         self.bucket_caps = bucket_caps
         self.agree_layout = agree_layout
@@ -134,9 +140,17 @@ class BucketReducer:
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params.values()]
 
     # -- forward side ------------------------------------------------------------
-    def add_graph(self, graph_id: int, buckets: Sequence[Sequence[str]]) -> None:
-        """Register the planned buckets (parameter names, gradient order) of a graph."""
+    def add_graph(
+        self,
+        graph_id: int,
+        buckets: Sequence[Sequence[str]],
+        split: SplitPlan | None = None,
+        plan: Plan | None = None,
+    ) -> None:
+        """Register the planned buckets (parameter names, gradient order) of a graph, and its parts."""
         self._graph_buckets[graph_id] = [list(b) for b in buckets]
+        if split is not None and plan is not None:
+            self.parts.add_graph(graph_id, split, plan)
 
     def begin_forward(self, join_work: dist.Work | None = None, divide_by_initial: bool = True) -> None:
         """Open a step (if none is open): the next backward synchronizes gradients.
@@ -150,6 +164,7 @@ class BucketReducer:
             self.optimizers.adopt_new()
             self._step = OpenStep(join_work, divide_by_initial)
             self._waited_s = 0.0
+            self.parts.clear()
             if self.observer is not None:
                 self.observer.begin_step()
 
@@ -196,8 +211,13 @@ class BucketReducer:
             self._freeze = True
 
     def _frozen_groups(self, graphs: tuple[int, ...]) -> list[list[str]]:
-        mine = layout_groups(self._graph_buckets, graphs, list(self.params))
-        agreed = self.agree_layout(mine)
+        buckets, params, rows = self.parts.layout(self._graph_buckets, graphs) or (
+            self._graph_buckets,
+            self.params,
+            set(),
+        )
+        agreed = self.agree_layout(layout_groups(buckets, graphs, list(params)))
+        self._static_rows = rows if agreed is not None else set()
         if agreed is not None:
             return agreed
         cap, first_cap = self.bucket_caps
@@ -205,6 +225,22 @@ class BucketReducer:
             "the ranks' graphs gave different bucket layouts: gradients travel in DDP's (reverse parameter order)"
         )
         return static_groups(self.params, cap=cap, first_cap=first_cap)
+
+    def _layouts(self, graphs: tuple[int, ...]) -> list[tuple[Mapping, Mapping, set[int]]]:
+        """Bucket layouts to try, best first: with parts and row buckets (Note [Shared weights
+        reduced by use]; not under a communication hook), then without."""
+        if self._static is not None:
+            named = {n for b in self._static for n in b}
+            holders = {n: h for n, h in self.parts.holders.items() if n in named}
+            plain = [[n for n in b if n not in holders] for b in self._static]
+            split = ({-1: self._static}, {**self.params, **holders}, self._static_rows)
+            layouts = [split, ({-1: plain}, self.params, set())]
+        else:
+            layouts = [
+                self.parts.layout(self._graph_buckets, graphs),
+                (self._graph_buckets, self.params, set()),
+            ]
+        return [x for x in layouts[:-1] if x is not None and self._splits()] + layouts[-1:]
 
     def _schedule(self, graphs: tuple[int, ...]) -> tuple[list[Bucket], dict]:
         if self._freeze:
@@ -218,19 +254,45 @@ class BucketReducer:
             for b in cached[0]:
                 b.reset()
             return cached
-        order = build_schedule(
-            {-1: self._static} if self._static is not None else self._graph_buckets,
-            graphs,
-            self.params,
-            sparse=self.sparse,
-            compression=None if self.comm_hook is not None else self.compression,
-            compress_tail_only=self.compress_tail_only,
-            grad_as_view=self.grad_as_view,
-        )
+        for buckets, params, rows in self._layouts(graphs):
+            order = build_schedule(
+                buckets,
+                graphs,
+                params,
+                sparse=self.sparse,
+                compression=None if self.comm_hook is not None else self.compression,
+                compress_tail_only=self.compress_tail_only,
+                grad_as_view=self.grad_as_view,
+                rows=rows,
+            )
+            if self.parts.in_order(order):
+                break
         locate = {id(p): (b, i) for b in order for i, p in enumerate(b.params)}
         self._schedules[graphs] = (order, locate)
         log.debug("schedule for graphs %s: %s", graphs, [(b.index, len(b.params), b.nbytes) for b in order])
         return order, locate
+
+    def _splits(self) -> bool:
+        """Whether parts and row buckets apply (not under a communication hook)."""
+        return self.comm_hook is None
+
+    def take_part(self, name: str, grad: torch.Tensor) -> bool:
+        """A piece's contribution to a shared parameter (``compile.wrappers``): True if taken."""
+        step = self._step
+        if step is None or not self._splits():
+            return False
+        holder = self.parts.accept(name, grad, self._located(step), step.cursor)
+        if holder is not None:
+            self._on_grad(holder)
+        return holder is not None
+
+    def _located(self, step: OpenStep) -> dict:
+        if step.order is None:  # the step's first gradient: its buckets
+            step.order, self._locate = self._schedule(tuple(step.graphs))
+            self._last_hooked = None
+            step.started = time.perf_counter()
+            compat.queue_engine_callback(self._finish_step)
+        return self._locate
 
     def _on_grad(self, param: torch.Tensor) -> None:
         step = self._step
@@ -242,46 +304,13 @@ class BucketReducer:
                     self._name_of.get(id(param)),
                 )
             return
-        if step.order is None:
-            step.order, self._locate = self._schedule(tuple(step.graphs))
-            self._last_hooked = None
-            step.started = time.perf_counter()
-            compat.queue_engine_callback(self._finish_step)
-        bucket, i = self._locate[id(param)]
+        bucket, i = self._located(step)[id(param)]
         if not bucket.ready[i]:
             bucket.ready[i] = True
             bucket.n_ready += 1
         self._launch_ready(step)
         if self.optimizers.active and self._streaming():
             self._write_finished(step)
-
-    def _streaming(self) -> bool:
-        """Whether each bucket is written as it finishes (not under a hook: flags are reduced
-        together; nor detect_nonfinite: all are checked before any step)."""
-        return self.comm_hook is None and not self.detect_nonfinite
-
-    def _write_finished(self, step: OpenStep) -> None:
-        """During backward: write (and step) the launched buckets whose all-reduce is done, in order."""
-        while step.written < step.cursor:
-            bucket = step.order[step.written]  # type: ignore[index]
-            if not (isinstance(bucket, FlatBucket) and bucket.done()):
-                return
-            self._wait(bucket)
-            self._write(bucket)
-            self.optimizers.step(bucket.params)
-            step.written += 1
-
-    def _wait(self, bucket: Bucket) -> None:
-        try:
-            self._blocked(bucket.index, bucket.wait)
-        except Exception as exc:
-            raise comm_error(bucket, self.steps, self.describe_peers, "waiting for", exc) from exc
-
-    def _write(self, bucket: Bucket, used: torch.Tensor | None = None) -> None:
-        if isinstance(bucket, FlatBucket):
-            bucket.write(bucket.wire[bucket.numel :] if used is None else used)
-        else:
-            bucket.write()
 
     def _scale(self, step: OpenStep) -> float:
         if step.scale is None:
@@ -314,14 +343,6 @@ class BucketReducer:
             self._blocked(bucket.index - 1, previous.wait)
         return previous.done()
 
-    def _blocked(self, index: int, wait: Callable[[], object]) -> None:
-        """Run ``wait`` (blocks on bucket ``index``'s communication), timing the host's wait."""
-        t0 = time.perf_counter()
-        wait()
-        self._waited_s += (t1 := time.perf_counter()) - t0
-        if self.observer is not None:
-            self.observer.waited(index, t0, t1)
-
     def _launch(self, bucket: Bucket, scale: float, *, is_last: bool) -> None:
         try:
             hook = self.comm_hook if isinstance(bucket, FlatBucket) else None
@@ -334,34 +355,6 @@ class BucketReducer:
             raise
         except Exception as exc:
             raise comm_error(bucket, self.steps, self.describe_peers, "launching", exc) from exc
-
-    def _wait_and_write(self, order: list[Bucket], *, write: bool = True) -> None:
-        """Wait for every bucket in order and write its gradients, stepping any optimizer in
-        backward after each bucket while the later ones are still in flight. With a hook, the
-        used flags are reduced together once every hook is done (a hook may chain collectives);
-        with detect_nonfinite every bucket is checked before any optimizer steps."""
-        streaming = write and self._streaming()
-        for bucket in order:
-            self._wait(bucket)
-            if streaming:
-                self._write(bucket)
-                self.optimizers.step(bucket.params)
-        if streaming:
-            return
-        hooked = [b for b in order if isinstance(b, FlatBucket) and self.comm_hook is not None]
-        used: dict[int, torch.Tensor] = {}
-        if hooked:
-            flags = torch.cat([b.local_flags() for b in hooked])
-            dist.all_reduce(flags, group=self.group)
-            used = dict(zip((b.index for b in hooked), flags.split([len(b.params) for b in hooked])))
-        if not write:
-            return
-        for bucket in order:
-            self._write(bucket, used.get(bucket.index))
-        if self.detect_nonfinite:
-            raise_if_nonfinite(order, self.steps)
-        for bucket in order:
-            self.optimizers.step(bucket.params)
 
     def shadow_step(self) -> None:
         """The collectives of one synchronized step with zero gradients, for a rank that joined
@@ -399,6 +392,7 @@ class BucketReducer:
             fwd_bwd_ms=(t1 - step.forward_at) * 1e3,
             buckets=len(step.order),
             bytes=sum(b.nbytes for b in step.order),
+            tail_bytes=sum(b.nbytes for b in step.order if b.tail),
             wait_ms=self._waited_s * 1e3,
             launch_ms=[(b.launched_at - step.started) * 1e3 for b in step.order],
         )

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .bucket import FlatBucket
+from .rows import RowBucket
 from .sparse import SparseBucket
 
 __all__ = [
@@ -22,7 +23,7 @@ __all__ = [
     "static_groups",
 ]
 
-Bucket = FlatBucket | SparseBucket
+Bucket = FlatBucket | SparseBucket | RowBucket
 
 
 class OpenStep:
@@ -95,9 +96,11 @@ def build_schedule(
     compression: str | None,
     compress_tail_only: bool,
     grad_as_view: bool,
+    rows: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> list[Bucket]:
     """The step's buckets in launch order: one flat bucket per group and dtype, one sparse
-    bucket per parameter with a sparse gradient (``sparse``: their ``id``).
+    bucket per parameter with a sparse gradient (``sparse``: their ``id``), one row bucket
+    per embedding table reduced by rows (``rows``: their ``id``; ``runtime/rows.py``).
 
     Example:
         >>> lin = torch.nn.Linear(2, 2)
@@ -109,16 +112,21 @@ def build_schedule(
     groups, tail_from = _groups(graph_buckets, graphs, list(params))
     order: list[Bucket] = []
     for g, names in enumerate(groups):
+        first = len(order)
         scheme = compression if g >= tail_from or not compress_tail_only else None
         by_dtype: dict[tuple[torch.dtype, torch.device], list[tuple[str, torch.nn.Parameter]]] = {}
         for n in names:
             p = params[n]
             if id(p) in sparse:
                 order.append(SparseBucket(len(order), n, p))
+            elif id(p) in rows and p.dim() == 2:
+                order.append(RowBucket(len(order), n, p, compression=scheme))
             else:
                 by_dtype.setdefault((p.dtype, p.device), []).append((n, p))
         for members in by_dtype.values():
             order.append(FlatBucket(len(order), members, compression=scheme, grad_as_view=grad_as_view))
+        for b in order[first:]:
+            b.tail = g >= tail_from  # final only when backward ends (StepStats.tail_bytes)
     return order
 
 

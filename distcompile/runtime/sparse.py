@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .bucket import OneParamBucket
+
 __all__ = ["SparseBucket", "sparse_params"]
 
 
@@ -34,18 +36,11 @@ def sparse_params(module: nn.Module) -> set[int]:
     }
 
 
-class SparseBucket:
+class SparseBucket(OneParamBucket):
     """One parameter with a sparse gradient, reduced with a sparse all-reduce (``FlatBucket``'s interface)."""
 
     def __init__(self, index: int, name: str, param: nn.Parameter) -> None:
-        self.index = index
-        self.names = [name]
-        self.params = [param]
-        self.ready = [False]
-        self.n_ready = 0
-        self.produced: tuple[bool, ...] = ()
-        self.work: dist.Work | None = None
-        self.launched_at = 0.0
+        super().__init__(index, name, param)
         self._sent: torch.Tensor | None = None
 
     @property
@@ -54,11 +49,6 @@ class SparseBucket:
         if sent is None:
             return 0
         return sent.values().numel() * sent.element_size() + sent.indices().numel() * 8
-
-    def reset(self) -> None:
-        self.ready = [False]
-        self.n_ready = 0
-        self.work = None
 
     def launch(self, group: dist.ProcessGroup | None, scale: float, **_: object) -> torch.futures.Future:
         """All-reduce ``scale * grad`` (an empty gradient if this rank produced none)."""
@@ -76,14 +66,8 @@ class SparseBucket:
         self.work = dist.all_reduce(self._sent, group=group, async_op=True)
         return self.work.get_future()
 
-    def local_flags(self) -> torch.Tensor:
-        return torch.tensor([float(self.produced[0])], device=self.params[0].device)
-
     def wait(self) -> None:
-        if self.work is None:
-            raise RuntimeError(f"bucket {self.index}: wait() before launch()")
-        work, self.work = self.work, None
-        work.wait()
+        work = self._take_work()
         self._sent = work.result()[0].coalesce()  # values()/indices() need a coalesced tensor
 
     def write(self, used: torch.Tensor | None = None) -> None:

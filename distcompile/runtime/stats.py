@@ -23,6 +23,8 @@ class StepStats:
         fwd_bwd_ms: From the first forward of the step to the end of ``backward()``.
         buckets: Number of buckets all-reduced.
         bytes: Bytes all-reduced (payload plus flags).
+        tail_bytes: Of those, the bytes of the tail: buckets whose gradients are final only
+            when backward ends (the first forward segment's, and parameters no graph reads).
         wait_ms: Host time the step blocked waiting for communication to finish (rank skew
             included: a rank waits for its slowest peer). Always measured. On CUDA with
             NCCL the host does not wait, so this is near 0.
@@ -41,6 +43,7 @@ class StepStats:
     fwd_bwd_ms: float = 0.0
     buckets: int = 0
     bytes: int = 0
+    tail_bytes: int = 0
     wait_ms: float = 0.0
     launch_ms: list[float] = field(default_factory=list)
     comm_ms: float | None = None

@@ -87,6 +87,9 @@ class _Launches:
     def bucket_launched(self, index: int, nbytes: int, nparams: int, future: object) -> None:
         self.launched.append((index, nparams))
 
+    def waited(self, index: int, start: float, end: float) -> None:
+        pass
+
     def end_step(self, stats: object) -> dict[str, float]:
         self.ended.append(stats.step)
         return {"comm_ms": 1.5}

@@ -29,12 +29,20 @@ def _fmt(x: float | None, unit: str = "", nd: int = 1) -> str:
 
 
 #: The communication columns, as ``telemetry.timeline.mean_figures`` names them, then the estimate.
-FIGURE_HEADS = ("comm ms", "overlapped ms", "exposed ms", "wait ms", "overlap %", "over compute ms")
+FIGURE_HEADS = (
+    "comm ms",
+    "overlapped ms",
+    "exposed ms",
+    "wait ms",
+    "overlap %",
+    "tail MB",
+    "over compute ms",
+)
 
 
 def _figure_cells(r: dict) -> tuple[str, ...]:
-    keys = ("comm_ms", "overlapped_ms", "exposed_ms", "wait_ms", "overlap_pct", "over_compute_ms")
-    return tuple(_fmt(r.get(k)) for k in keys)
+    keys = ("comm_ms", "overlapped_ms", "exposed_ms", "wait_ms", "overlap_pct", "tail_mb", "over_compute_ms")
+    return tuple(_fmt(r.get(k), nd=2 if k == "tail_mb" else 1) for k in keys)
 
 
 def _peak(r: dict, ddp: dict) -> str:
@@ -224,7 +232,8 @@ def report_markdown(res: dict) -> str:
                 "steps of rank 0 (docs/telemetry.md: communication = union of all-reduce spans, overlapped = the part "
                 "under computation, exposed = the rest; overlap % = overlapped / communication); `-`: not measured "
                 "(the other variants have no such telemetry). wait ms: host time blocked on communication (rank skew "
-                "included). over compute ms: median step minus the compute-only step (an estimate of what "
+                "included). tail MB: bytes all-reduced for gradients final only when backward ends (the first "
+                "forward segment's bucket; with a tied embedding split by use, just its lookup's rows). over compute ms: median step minus the compute-only step (an estimate of what "
                 "communication costs, for every variant). cold s / "
                 "warm s: the first step of the variant alone in a new pair of processes, with an empty compile cache of "
                 "its own / with the cache that run filled. peak RSS MB: the larger rank's peak resident memory in the "

@@ -158,6 +158,7 @@ def _summarize(w: Workload, variants: list[Variant], results: dict[str, dict], c
         r = results[v.name]
         if v.name.startswith("dc_"):
             r.update(mean_figures(r.pop("_figures")))  # this rank's (rank 0 writes the report)
+            r["tail_mb"] = v.model.last_step.tail_bytes / 1e6
         if compute_step:
             r["over_compute_ms"] = r["median_ms"] - compute_step
 

@@ -1,0 +1,143 @@
+"""What runs around a compiled graph: the reducer told that it ran, a double backward
+refused with the fix, and parts of shared parameters handed over.
+
+The pieces that read a shared parameter in a later segment hand their contribution to its
+gradient to the reducer (Note [Shared weights reduced by use], ``planning/split.py``).
+A compiled piece's backward is one autograd node (AOTAutograd's); the parameter reaches
+it through an edge to the parameter's gradient accumulator. A hook on that node, run
+after it computed its input gradients, takes the one for that edge and returns ``None``
+in its place, so the accumulator receives only the other uses' contributions. The
+reducer decides: outside a synchronized step, or with no bucket for the part, it declines
+and the gradient flows on as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import fx
+
+from .. import _torch_compat as compat
+from .._errors import UnsupportedModelError
+from ..planning.split import Part, SplitPlan
+
+__all__ = ["PartTaker", "divert_parts", "recording"]
+
+log = logging.getLogger(__name__)
+
+#: ``take(part_name, gradient) -> bool``: whether the reducer took the gradient.
+PartTaker = Callable[[str, torch.Tensor], bool]
+
+
+def _edge_slots(node: object, parts: list[tuple[Part, torch.nn.Parameter]]) -> list[tuple[int, str]]:
+    """Where each part's parameter enters ``node``: (input-gradient index, part name)."""
+    slots = []
+    for i, (fn, _) in enumerate(node.next_functions):  # type: ignore[attr-defined]
+        variable = getattr(fn, "variable", None)  # an AccumulateGrad node's parameter
+        for part, p in parts:
+            if variable is p:
+                slots.append((i, part.name))
+    return slots
+
+
+class _DivertingPiece(torch.nn.Module):
+    def __init__(
+        self, piece: Callable, parts: list[tuple[Part, torch.nn.Parameter]], take: PartTaker
+    ) -> None:
+        super().__init__()
+        self.piece = piece
+        self.parts = parts
+        object.__setattr__(self, "take", take)
+        self._warned = False
+
+    def forward(self, *args: object) -> object:
+        out = self.piece(*args)
+        if not torch.is_grad_enabled():
+            return out
+        node = next(
+            (t.grad_fn for t in compat.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn), None
+        )
+        slots = _edge_slots(node, self.parts) if node is not None else []
+        if not slots:
+            if not self._warned:
+                self._warned = True
+                log.debug("parts %s: no edge to the parameter on the piece's node; reduced whole", self.parts)
+            return out
+        take = self.take
+
+        def hand_over(grad_inputs: tuple, grad_outputs: tuple) -> tuple | None:
+            new = list(grad_inputs)
+            for i, name in slots:
+                if new[i] is not None and take(name, new[i]):
+                    new[i] = None
+            return tuple(new)
+
+        node.register_hook(hand_over)
+        return out
+
+
+def divert_parts(
+    compiled: Callable, split: SplitPlan, params: Mapping[str, torch.nn.Parameter], take: PartTaker
+) -> Callable:
+    """``compiled`` with each piece that holds a part handing its contribution to ``take``.
+
+    Example:
+        >>> # used by distcompile's backend after compiling a graph whose plan has parts
+    """
+    if not split.parts or not isinstance(compiled, fx.GraphModule):
+        return compiled
+    by_piece: dict[int, list[tuple[Part, torch.nn.Parameter]]] = {}
+    for part in split.parts:
+        by_piece.setdefault(part.piece, []).append((part, params[part.param]))
+    for k, parts in by_piece.items():
+        name = f"compiled_submod_{k}"
+        piece = getattr(compiled, name, None)
+        if piece is None:
+            log.debug("piece %d not found among the compiled pieces; its parts are reduced whole", k)
+            continue
+        setattr(compiled, name, _DivertingPiece(piece, parts, take))
+    return compiled
+
+
+def _no_double_backward(backend: str) -> Callable[[object], None]:
+    def check(grad_outputs: object) -> None:
+        if torch.is_grad_enabled():  # the engine enables it for backward(create_graph=True) only
+            raise UnsupportedModelError(
+                "a backward with create_graph=True (a gradient penalty: autograd.grad(..., "
+                f"create_graph=True)) reached a graph compiled with backend={backend!r}: AOTAutograd's "
+                "compiled backward cannot be differentiated again (torch.compile fails here too). Use "
+                "wrap(..., backend='eager') for this model (TorchDynamo's graphs run eager kernels, whose "
+                "backward can be differentiated; buckets and overlap are the same), or compute the "
+                "penalty outside the wrapped model."
+            )
+
+    return check
+
+
+def recording(compiled: Callable, registry: object, graph_id: int, backend: str) -> Callable:
+    """``compiled``, telling ``registry`` (the reducer) each time it runs with gradients, and
+    refusing a double backward through AOTAutograd's compiled backward with the fix.
+
+    Example:
+        >>> # the backend returns recording(compiled, reducer, graph_id, "inductor") to TorchDynamo
+    """
+    check = _no_double_backward(backend) if backend != "eager" else None
+
+    # TorchDynamo calls a backend's result with positional tensors (never boxed).
+    def run(*args: object) -> object:
+        if not torch.is_grad_enabled():
+            return compiled(*args)
+        registry.record_graph(graph_id)  # type: ignore[attr-defined]
+        out = compiled(*args)
+        if check is not None:  # before the compiled backward runs: the user sees why, not torch's internals
+            node = next(
+                (t.grad_fn for t in compat.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn),
+                None,
+            )
+            if node is not None:
+                node.register_prehook(check)
+        return out
+
+    return run

@@ -1,0 +1,115 @@
+"""The parts of shared parameters on the reducer's side (Note [Shared weights reduced by use]).
+
+A part travels in a bucket like a parameter: the bucket sees a *holder*, a detached alias
+of the parameter (no memory of its own) whose ``.grad`` is the part's gradient. The
+holder's bucket comes before the parameter's own bucket in launch order, so by the time
+the parameter's reduced gradient is written, its parts are too, and are added to it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..planning.plan import Plan
+from ..planning.split import SplitPlan
+
+__all__ = ["SharedParts"]
+
+log = logging.getLogger(__name__)
+
+
+class SharedParts:
+    """Holders, groups and row-reduced parameters of one reducer's graphs.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> parts = SharedParts({"w": w})
+        >>> parts.layout({0: [["w"]]}, (0,)) is None  # no graph with parts
+        True
+    """
+
+    def __init__(self, params: Mapping[str, torch.nn.Parameter]) -> None:
+        self.params = params
+        self.holders: dict[str, torch.Tensor] = {}
+        self._of: dict[int, list[torch.Tensor]] = {}  # id(param) -> its holders
+        self._graphs: dict[int, tuple[list[tuple[str, ...]], tuple[str, ...], tuple[str, ...]]] = {}
+
+    def add_graph(self, graph_id: int, split: SplitPlan, plan: Plan) -> None:
+        """Remember graph ``graph_id``'s groups with its parts, and its row-reduced parameters."""
+        if not split.parts and not split.rows:
+            self._graphs.pop(graph_id, None)
+            return
+        names = tuple(p.name for p in split.parts)
+        self._graphs[graph_id] = (split.groups(plan), names, split.rows)
+        for part in split.parts:
+            if part.name not in self.holders:
+                p = self.params[part.param]
+                holder = self.holders[part.name] = p.detach()
+                self._of.setdefault(id(p), []).append(holder)
+
+    def layout(
+        self, graph_buckets: Mapping[int, Sequence[Sequence[str]]], graphs: Sequence[int]
+    ) -> tuple[dict, dict[str, torch.Tensor], set[int]] | None:
+        """The groups, parameters (holders included) and row-reduced ``id``s for a step that ran
+        ``graphs``; ``None`` when none of them has parts or row-reduced parameters."""
+        ran = [g for g in graphs if g in self._graphs]
+        if not ran:
+            return None
+        groups = {g: (self._graphs[g][0] if g in self._graphs else list(b)) for g, b in graph_buckets.items()}
+        params = dict(self.params)
+        params.update((n, self.holders[n]) for g in ran for n in self._graphs[g][1])
+        rows = {id(self.params[n]) for g in ran for n in self._graphs[g][2]}
+        return groups, params, rows
+
+    def in_order(self, order: Sequence) -> bool:
+        """Whether every holder's bucket launches before its parameter's (else the parts could
+        not be added when the parameter is written)."""
+        at = {id(p): b.index for b in order for p in b.params}
+        for pid, holders in self._of.items():
+            for h in holders:
+                if id(h) in at and at[id(h)] >= at.get(pid, -1):
+                    log.debug("a part's bucket would launch after its parameter's: reduced whole this step")
+                    return False
+        return True
+
+    def clear(self) -> None:
+        """Forget the parts' gradients (a new step opens)."""
+        for h in self.holders.values():
+            h.grad = None
+
+    def accept(
+        self, name: str, grad: torch.Tensor, locate: Mapping[int, tuple], cursor: int
+    ) -> torch.Tensor | None:
+        """The holder of part ``name`` with ``grad`` as its gradient, if the step's buckets carry
+        it and its bucket has not been launched; else ``None`` (the gradient stays where it was)."""
+        holder = self.holders.get(name)
+        found = locate.get(id(holder)) if holder is not None else None
+        if found is None:
+            return None
+        bucket, i = found
+        if bucket.ready[i] or bucket.index < cursor:
+            return None
+        holder.grad = grad
+        return holder
+
+    def add_to(self, bucket: object) -> None:
+        """After ``bucket`` is written: add the reduced parts of its parameters to their ``.grad``."""
+        if not self._of:
+            return
+        for p in bucket.params:  # type: ignore[attr-defined]
+            holders = self._of.get(id(p))
+            if not holders:
+                continue
+            grads = [h.grad for h in holders if h.grad is not None]
+            for h in holders:
+                h.grad = None
+            if not grads:
+                continue
+            total = grads[0].clone() if len(grads) == 1 else torch.stack(grads).sum(0)
+            if p.grad is None:
+                p.grad = total.to(p.dtype)
+            else:
+                p.grad.add_(total)

@@ -1,0 +1,77 @@
+"""Rank functions of tests/runtime/test_split.py: a tied-embedding GPT whose shared weight is
+reduced by use (Note [Shared weights reduced by use]) against eager DDP, step by step."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distcompile
+from distcompile.models import GPT, GPTConfig, synthetic_batch
+
+#: 2 layers, a 2048-token vocabulary (the tied table is 63% of the parameters), 4 x 32 tokens
+#: per rank: at most 256 of 2048 rows touched by 2 ranks.
+CFG = GPTConfig(vocab_size=2048, block_size=32, n_layer=2, n_head=2, n_embd=64)
+
+
+def _ddp(base: torch.nn.Module, mode: str) -> DDP:
+    return DDP(
+        copy.deepcopy(base),
+        bucket_cap_mb=0.1,
+        gradient_as_bucket_view=mode == "grad_as_view",
+        find_unused_parameters=mode == "find_unused",
+    )
+
+
+def split_parity(rank: int, world: int, mode: str, steps: int = 3) -> dict:
+    """Eager DDP against distcompile (aot_eager) on the same batches; ``mode``: ``plain``,
+    ``no_sync`` (a micro-batch accumulated first), ``grad_as_view``, ``find_unused``, ``bf16``
+    (fused bf16 compression on distcompile; eager DDP in fp32: DDP's bf16 hook needs CUDA), ``off``
+    (``split_shared=False``), ``verify`` (``verify=True``)."""
+    torch.manual_seed(0)
+    base = GPT(CFG)
+    eager = _ddp(base, mode)
+    options = {"compression": "bf16"} if mode == "bf16" else {}
+    options |= {"split_shared": False} if mode == "off" else {}
+    options |= {"verify": True} if mode == "verify" else {}
+    ours = distcompile.wrap(_ddp(base, mode), backend="aot_eager", **options)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (eager, ours)]
+    grad_diff, losses = [], []
+    for step in range(steps):
+        row = []
+        for model in (eager, ours):
+            if mode == "no_sync":
+                x, y = synthetic_batch(CFG, batch_size=4, step=100 + step, rank=rank)
+                with model.no_sync():
+                    GPT.loss(model(x), y).backward()
+            x, y = synthetic_batch(CFG, batch_size=4, step=step, rank=rank)
+            loss = GPT.loss(model(x), y)
+            loss.backward()
+            row.append(float(loss.detach()))
+        losses.append(row)
+        grad_diff.append(
+            max(
+                float((a.grad - b.grad).abs().max() / b.grad.abs().max().clamp_min(1e-12))
+                for a, b in zip(ours.module.parameters(), eager.module.parameters())
+            )
+        )
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    flat = torch.cat([p.detach().reshape(-1) for p in ours.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    order = ours._reducer._last_order or []
+    return {
+        "losses": losses,
+        "grad_diff": grad_diff,
+        "params": [p.detach().clone() for p in ours.module.parameters()],
+        "ref_params": [p.detach().clone() for p in eager.module.parameters()],
+        "ranks_equal": all(torch.equal(g, gathered[0]) for g in gathered),
+        "buckets": [(type(b).__name__, list(b.names), b.nbytes) for b in order],
+        "split": ours.graphs[0].split.describe(),
+        "wte_bytes": base.wte.weight.numel() * 4,
+    }
