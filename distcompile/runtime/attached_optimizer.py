@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import types
+import weakref
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -36,6 +37,9 @@ from .._errors import ConfigError
 __all__ = ["AttachedOptimizer", "PER_PARAMETER"]
 
 log = logging.getLogger(__name__)
+
+#: Each attached optimizer's stepper (what its replaced ``step`` calls).
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 #: torch.optim optimizers whose step updates each parameter from its own gradient and state only.
 PER_PARAMETER = (
@@ -106,7 +110,7 @@ class AttachedOptimizer:
         self._original = opt.__dict__.get("step")  # an instance attribute (an LR scheduler's wrapper)
         self._step = opt.step
         opt.step = types.MethodType(_guarded_step, opt)  # a method, as LR schedulers expect
-        opt._distcompile_attached = self  # type: ignore[attr-defined]
+        _ATTACHED[opt] = self
 
     def _step_subset(self, ids: set[int]) -> None:
         groups = self.optimizer.param_groups
@@ -164,8 +168,8 @@ class AttachedOptimizer:
             opt.step = self._original
         else:
             opt.__dict__.pop("step", None)
-        opt.__dict__.pop("_distcompile_attached", None)
+        _ATTACHED.pop(opt, None)
 
 
 def _guarded_step(opt: torch.optim.Optimizer, closure: object = None) -> object:
-    return opt._distcompile_attached.user_step(closure)  # type: ignore[attr-defined]
+    return _ATTACHED[opt].user_step(closure)

@@ -230,6 +230,7 @@ class Telemetry:
                 "step/time_ms": stats.fwd_bwd_ms,
                 "step/wait_ms": stats.wait_ms,
                 "comm/megabytes": stats.bytes / 2**20,
+                "comm/tail_megabytes": stats.tail_bytes / 2**20,
                 **{f"step/{k}": v for k, v in figures.items() if v is not None},
             }
             for s in spans:

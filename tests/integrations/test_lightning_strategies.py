@@ -29,6 +29,7 @@ def _compare(ref: list[dict], ours: list[dict]) -> None:
         np.testing.assert_array_equal(p, q, err_msg=f"param {i} differs between ranks")
 
 
+@pytest.mark.long  # the Trainer test covers the strategy in the README's command
 def test_fabric_strategy(tmp_path) -> None:
     _compare(*zip(*run_ranks(stacks.both, 2, stacks.fabric_loop, str(tmp_path / "fabric.ckpt"), timeout=600)))
 

@@ -33,7 +33,15 @@ def _tail(res: dict) -> tuple[str, int]:
 
 @pytest.mark.parametrize(
     ("mode", "world"),
-    [("plain", 2), ("plain", 3), ("no_sync", 2), ("grad_as_view", 2), ("find_unused", 2), ("bf16", 2)],
+    [
+        ("plain", 2),
+        ("no_sync", 2),
+        ("find_unused", 2),
+        # The rest in the long set (CI runs it after the README's command).
+        pytest.param("plain", 3, marks=pytest.mark.long),
+        pytest.param("grad_as_view", 2, marks=pytest.mark.long),
+        pytest.param("bf16", 2, marks=pytest.mark.long),
+    ],
 )
 def test_tied_embedding_reduced_by_use_matches_eager_ddp(mode: str, world: int) -> None:
     results = run_ranks(split_workers.split_parity, world, mode)

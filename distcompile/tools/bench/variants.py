@@ -38,13 +38,16 @@ VARIANTS = {
     "dc_auto": "distcompile, inductor, bucket_cap_mb='auto'",
     "dc_auto_bf16_tail": "distcompile, inductor, 'auto' buckets, bf16 on the tail bucket only",
     "dc_auto_bf16": "distcompile, inductor, 'auto' buckets, bf16 compression",
+    "dc_auto_nosplit": "distcompile, inductor, 'auto' buckets, split_shared=False (one reduction per parameter)",
     "dc_auto_optim": "distcompile, inductor, 'auto' buckets, optimizer attached (stepped under communication)",
 }
 #: Variants that need CUDA (CUDA graphs).
 CUDA_ONLY = ("compile_ddpopt_cg", "dc_cudagraphs")
 #: What runs without --variants: on CPU ranks (gloo, shaped links) and on GPUs (NCCL).
 CPU_DEFAULT = tuple(
-    n for n in VARIANTS if n not in CUDA_ONLY and n not in ("compile_noddp", "fsdp_replicate")
+    n
+    for n in VARIANTS
+    if n not in CUDA_ONLY and n not in ("compile_noddp", "fsdp_replicate", "dc_auto_nosplit")
 )
 CUDA_DEFAULT = (
     "compile_noddp",
@@ -164,6 +167,7 @@ def _model(w: Workload, name: str) -> torch.nn.Module:
         compression="bf16" if "bf16" in name else None,
         compression_scope="tail" if name.endswith("tail") else "all",
         cudagraphs=name == "dc_cudagraphs",
+        split_shared=not name.endswith("_nosplit"),
         logdir=tempfile.mkdtemp(prefix=f"dc_{name}_"),
         trace_every=0,
         figure_every=0,
