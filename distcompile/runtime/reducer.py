@@ -240,6 +240,8 @@ class BucketReducer(WriteBack):
                 self.parts.layout(self._graph_buckets, graphs),
                 (self._graph_buckets, self.params, set()),
             ]
+        if not self._splits() and any(x is not None for x in layouts[:-1]):
+            log.debug("a communication hook reduces the buckets: shared parameters go whole, as under DDP")
         return [x for x in layouts[:-1] if x is not None and self._splits()] + layouts[-1:]
 
     def _schedule(self, graphs: tuple[int, ...]) -> tuple[list[Bucket], dict]:
