@@ -62,8 +62,8 @@ class Config:
         split_shared: Reduce each use of a shared parameter apart (a tied embedding's output
             projection early in backward, its lookup at the end) and an embedding table's
             tail by the rows looked up, when cheaper (Note [Shared weights reduced by
-            use]). Off under a communication hook. ``False``: one reduction per parameter,
-            as DDP.
+            use]). Off under a communication hook and with CUDA graphs (``cudagraphs``,
+            ``mode="reduce-overhead"``). ``False``: one reduction per parameter, as DDP.
         regions: Trace each class of repeated block once (the layers of an
             ``nn.ModuleList`` or ``nn.Sequential``, as TorchDynamo's nested compile
             regions) and copy that trace for the other blocks whose inputs and guards

@@ -139,6 +139,11 @@ class GraphCompiler:
             enabled=config.backend == "inductor" and compat.compile_caches_enabled(),
         )
         self._together = True
+        # A part's gradient is held until its bucket launches: not from CUDA-graph memory,
+        # which the next replay may overwrite (Note [Shared weights reduced by use]).
+        self._splits = config.split_shared and not (
+            config.cudagraphs or config.mode in ("reduce-overhead", "max-autotune")
+        )
         self.lockstep = Lockstep(
             target.store_prefix,
             rank=target.rank,
@@ -186,7 +191,7 @@ class GraphCompiler:
                 gm, example_inputs, captured, plan, graph_id, planned_by, reasons, together
             )
             self._doing = "registering the graph's buckets"
-            split = split_shared(plan, captured.nodes) if self.target.config.split_shared else SplitPlan()
+            split = split_shared(plan, captured.nodes) if self._splits else SplitPlan()
             self.registry.add_graph(graph_id, [b.params for b in plan.buckets], split, plan)
             compiled = divert_parts(compiled, split, captured.params, self.registry.take_part)
             record = GraphRecord(
