@@ -26,10 +26,13 @@ from torch import nn
 
 from .bucket import OneParamBucket
 
-__all__ = ["DENSE_FOR", "ROWS_WHEN_BELOW", "RowBucket"]
+__all__ = ["DENSE_FOR", "ROWS_MIN_BYTES", "ROWS_WHEN_BELOW", "RowBucket"]
 
 #: Reduce rows rather than the whole table when they are at most this share of its rows.
 ROWS_WHEN_BELOW = 0.75
+#: Smaller tables go in the ordinary buckets: asking which rows were touched costs one
+#: blocking collective, more than their bytes.
+ROWS_MIN_BYTES = 256 * 1024
 #: After a step that reduced the whole table, this many more do so without asking which
 #: rows were touched (a positional table, whose rows are all used, pays the question once).
 DENSE_FOR = 100

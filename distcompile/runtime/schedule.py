@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .bucket import FlatBucket
-from .rows import RowBucket
+from .rows import ROWS_MIN_BYTES, RowBucket
 from .sparse import SparseBucket
 
 __all__ = [
@@ -119,7 +119,7 @@ def build_schedule(
             p = params[n]
             if id(p) in sparse:
                 order.append(SparseBucket(len(order), n, p))
-            elif id(p) in rows and p.dim() == 2:
+            elif id(p) in rows and p.dim() == 2 and p.numel() * p.element_size() >= ROWS_MIN_BYTES:
                 order.append(RowBucket(len(order), n, p, compression=scheme))
             else:
                 by_dtype.setdefault((p.dtype, p.device), []).append((n, p))
