@@ -16,7 +16,10 @@ from tests.harness import run_ranks
 
 @pytest.mark.parametrize(
     ("backend", "tol"),
-    [("aot_eager", (1e-4, 1e-5)), pytest.param("inductor", (1e-3, 1e-4), marks=pytest.mark.long)],
+    [
+        pytest.param("aot_eager", (1e-4, 1e-5), marks=pytest.mark.long),
+        pytest.param("inductor", (1e-3, 1e-4), marks=pytest.mark.long),
+    ],
 )
 def test_hf_gpt2_with_dynamic_true_and_varying_lengths(backend: str, tol: tuple[float, float]) -> None:
     rtol, atol = tol
