@@ -14,7 +14,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distcompile
-from tests.models import BUILDERS, batch, loss_fn
+from tests.models import BUILDERS, batch, loss_fn, step_each
 
 
 def average_hook(state, bucket):  # noqa: ANN001, ANN201 - DDP refuses string annotations on a hook
@@ -80,15 +80,8 @@ def _train(rank: int, ref: nn.Module, ours: nn.Module, steps: int, *, name: str 
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, ours)]
     losses = []
     for step in range(steps):
-        pair = []
-        for model, opt in zip((ref, ours), opts):
-            x, y = batch(name, rank, step)
-            loss = loss_fn(name, model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            pair.append(float(loss.detach()))
-        losses.append(pair)
+        x, y = batch(name, rank, step)
+        losses.append(step_each((ref, ours), opts, lambda model, x=x, y=y: loss_fn(name, model(x), y)))
     return {
         "losses": losses,
         "ref_params": [p.detach().clone() for p in ref.module.parameters()],
@@ -363,20 +356,12 @@ def moe_parity(rank: int, world: int, model_name: str, backend: str, dynamic: bo
     for step in range(4):
         g = torch.Generator().manual_seed(10 * step + rank)
         x, y = torch.randn(16 + 3 * rank, 32, generator=g), torch.randn(16 + 3 * rank, 8, generator=g)
-        pair = []
-        for model, opt in zip((ref, ours), opts):
-            if model is ours:  # the experts this rank routes tokens to, this step
-                with torch.no_grad():
-                    inner = model.module
-                    experts_used.append(
-                        sorted(set(inner.router(torch.relu(inner.inp(x))).argmax(-1).tolist()))
-                    )
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            pair.append(float(loss.detach()))
-        losses.append(pair)
+        with torch.no_grad():  # the experts this rank routes tokens to, this step
+            inner = ours.module
+            experts_used.append(sorted(set(inner.router(torch.relu(inner.inp(x))).argmax(-1).tolist())))
+        losses.append(
+            step_each((ref, ours), opts, lambda model, x=x, y=y: nn.functional.mse_loss(model(x), y))
+        )
     return {
         "losses": losses,
         "experts_used": experts_used,

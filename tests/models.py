@@ -84,6 +84,18 @@ def batch(name: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 64, generator=g), torch.randn(8, 8, generator=g)
 
 
+def step_each(models: tuple, opts: list, loss_of: object) -> list[float]:
+    """One optimizer step of each model on ``loss_of(model)``; each model's loss, in order."""
+    losses = []
+    for model, opt in zip(models, opts):
+        loss = loss_of(model)  # type: ignore[operator]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 def loss_fn(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if name == "gpt":
         return GPT.loss(out, target)

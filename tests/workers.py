@@ -13,7 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distcompile
-from tests.models import BUILDERS, RaisesOnce, batch, loss_fn
+from tests.models import BUILDERS, RaisesOnce, batch, loss_fn, step_each
 
 
 def _bf16_reference_hook(state, bucket):  # noqa: ANN001 - DDP inspects a real annotation; leave none
@@ -172,14 +172,7 @@ def batch_sizes_differ(rank: int, world: int) -> dict:
         g = torch.Generator().manual_seed(10 * step + rank)
         n = (16, 12, 16, 9)[step] + 3 * rank  # rank 1's batch size changes at other steps than rank 0's
         x, y = torch.randn(n, 64, generator=g), torch.randn(n, 8, generator=g)
-        pair = []
-        for model, opt in zip((ref, ours), opts):
-            loss = loss_fn("mlp_seq", model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            pair.append(float(loss.detach()))
-        losses.append(pair)
+        losses.append(step_each((ref, ours), opts, lambda model, x=x, y=y: loss_fn("mlp_seq", model(x), y)))
     return {
         "losses": losses,
         "params": [p.detach().clone() for p in ours.module.parameters()],

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distcompile
+from tests.models import step_each
 
 VOCAB = 128
 Batch = Callable[[int, int], dict]  # (rank, step) -> the model's keyword inputs
@@ -178,14 +179,9 @@ def zoo_parity(rank: int, world: int, name: str, checkpointing: bool, steps: int
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, ours)]
     losses = []
     for step in range(steps):
-        pair = []
-        for model, opt in zip((ref, ours), opts):
-            loss = model(**make_batch(rank, step)).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            pair.append(float(loss.detach()))
-        losses.append(pair)
+        losses.append(
+            step_each((ref, ours), opts, lambda model, step=step: model(**make_batch(rank, step)).loss)
+        )
     out = {
         "losses": np.array(losses),
         "params": {n: p.detach().numpy().copy() for n, p in ours.module.named_parameters()},
@@ -215,14 +211,9 @@ def gpt2_dynamic(rank: int, world: int, backend: str) -> dict:
     losses = []
     for step, n in enumerate((16, 12, 9, 14)):
         ids = _tokens(rank, step, n)
-        pair = []
-        for model, opt in zip((ref, ours), opts):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            pair.append(float(loss.detach()))
-        losses.append(pair)
+        losses.append(
+            step_each((ref, ours), opts, lambda model, ids=ids: model(input_ids=ids, labels=ids).loss)
+        )
     out = {
         "losses": np.array(losses),
         "params": {n: p.detach().numpy().copy() for n, p in ours.module.named_parameters()},
