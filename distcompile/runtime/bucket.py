@@ -14,8 +14,9 @@ import torch.distributed as dist
 from .._errors import CommunicationError, NonFiniteGradientError, UnsupportedModelError
 from .hooks import CommHook
 
-__all__ = ["FlatBucket", "OneParamBucket", "comm_error", "raise_if_nonfinite"]
-_COMPRESSED = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
+__all__ = ["WIRE_DTYPES", "FlatBucket", "OneParamBucket", "comm_error", "raise_if_nonfinite"]
+#: The dtype on the wire for each ``compression`` (``None``: the gradients' own).
+WIRE_DTYPES = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class FlatBucket:
@@ -41,7 +42,7 @@ class FlatBucket:
             offset += p.numel()
         total = self.numel + len(self.params)
         self.buffer = torch.zeros(total, dtype=dtype, device=device)
-        wire = _COMPRESSED[compression]
+        wire = WIRE_DTYPES[compression]
         self.wire = (
             self.buffer if wire is None or wire == dtype else torch.zeros(total, dtype=wire, device=device)
         )

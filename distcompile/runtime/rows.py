@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .bucket import OneParamBucket
+from .bucket import WIRE_DTYPES, OneParamBucket
 
 __all__ = ["DENSE_FOR", "ROWS_MIN_BYTES", "ROWS_WHEN_BELOW", "RowBucket"]
 
@@ -36,8 +36,6 @@ ROWS_MIN_BYTES = 256 * 1024
 #: After a step that reduced the whole table, this many more do so without asking which
 #: rows were touched (a positional table, whose rows are all used, pays the question once).
 DENSE_FOR = 100
-
-_WIRE = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class RowBucket(OneParamBucket):
@@ -51,7 +49,7 @@ class RowBucket(OneParamBucket):
 
     def __init__(self, index: int, name: str, param: nn.Parameter, *, compression: str | None) -> None:
         super().__init__(index, name, param)
-        self.wire_dtype = _WIRE[compression] or param.dtype
+        self.wire_dtype = WIRE_DTYPES[compression] or param.dtype
         self.rows: torch.Tensor | None = None  # the union's row indices; None: the whole table
         self.any_produced = False
         self._dense_for = 0  # launches left that reduce the whole table without asking

@@ -21,7 +21,6 @@ __all__ = [
     "fill_gaps",
     "fmt",
     "mean_figures",
-    "overlap_pct",
     "union",
 ]
 
@@ -81,18 +80,6 @@ def _intersection(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, flo
         else:
             j += 1
     return both
-
-
-def overlap_pct(comm: Iterable[tuple[float, float]], compute: Iterable[tuple[float, float]]) -> float:
-    """Percent of communication time during which computation also ran (0 if no communication).
-
-    Example:
-        >>> overlap_pct([(0, 4)], [(1, 2), (3, 10)])
-        50.0
-    """
-    c = union(comm)
-    total = _length(c)
-    return 100.0 * _intersection(c, union(compute)) / total if total > 0 else 0.0
 
 
 def comm_figures(
