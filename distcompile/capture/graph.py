@@ -19,7 +19,7 @@ from torch import fx
 from ..planning.plan import NodeInfo
 from .blocks import find_blocks
 
-__all__ = ["CapturedGraph", "read_graph", "own_forward_code", "structure"]
+__all__ = ["CapturedGraph", "read_graph", "own_forward_code", "structure", "lookup_indices"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +120,34 @@ def _lookups(node: fx.Node, param_of: dict[fx.Node, str]) -> tuple[str, ...]:
         return ()
     name = param_of.get(table(node))  # type: ignore[arg-type]
     return (name,) if name is not None else ()
+
+
+def lookup_indices(captured: CapturedGraph) -> dict[str, int]:
+    """Table name -> how many indices the graph looks up in it per call (from the traced
+    example values; tables whose index shape is not known are left out).
+
+    Example:
+        >>> emb = torch.nn.Embedding(10, 4)
+        >>> gm = fx.symbolic_trace(emb)
+        >>> cg = read_graph(gm, [torch.zeros(2, 3, dtype=torch.long)], {id(emb.weight): "weight"})
+        >>> lookup_indices(cg)  # symbolic_trace records no example values
+        {}
+    """
+    found: dict[str, int] = {}
+    for fx_node, info in zip(captured.body, captured.nodes):
+        if not info.lookups:
+            continue
+        table = _LOOKUPS[fx_node.target](fx_node)  # type: ignore[index]
+        indices = [a for a in fx_node.all_input_nodes if a is not table]
+        value = indices[0].meta.get("example_value") if indices else None
+        if not isinstance(value, torch.Tensor):
+            continue
+        try:
+            count = int(value.numel())
+        except Exception:  # noqa: BLE001 - a symbolic size: unknown, priced as the whole table
+            continue
+        found[info.lookups[0]] = found.get(info.lookups[0], 0) + count
+    return found
 
 
 def _module_path(source: str) -> str:

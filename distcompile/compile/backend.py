@@ -31,7 +31,7 @@ from .._config import Config
 from .._errors import CompileError, DistCompileError, RecompileError
 from ..capture.breaks import graph_break_reason, is_data_dependent
 from ..capture.flops import node_flops
-from ..capture.graph import CapturedGraph, read_graph
+from ..capture.graph import CapturedGraph, lookup_indices, read_graph
 from ..capture.guards import condense_guard_failures, recompile_note
 from ..capture.regions import inline_regions
 from ..planning.costs import CostModel
@@ -253,7 +253,7 @@ class GraphCompiler:
         self._doing = "planning segments and buckets"
         param_bytes = {n: p.numel() * p.element_size() for n, p in captured.params.items()}
         owned = self.registry.claimed()  # parameters an earlier graph of this step buckets
-        costs = self._graph_costs(gm, example_inputs, captured.body, first_graph=not owned)
+        costs = self._graph_costs(gm, example_inputs, captured, first_graph=not owned)
         plan = plan_graph(
             captured.nodes,
             param_bytes,
@@ -273,13 +273,13 @@ class GraphCompiler:
         return captured, plan, planned_by
 
     def _graph_costs(
-        self, gm: fx.GraphModule, example_inputs: list, body: tuple, *, first_graph: bool
+        self, gm: fx.GraphModule, example_inputs: list, captured: CapturedGraph, *, first_graph: bool
     ) -> GraphCosts | None:
         t = self.target
         if t.costs is None:
             return None
         try:
-            flops = node_flops(gm, example_inputs, body)
+            flops = node_flops(gm, example_inputs, captured.body)
         except Exception as exc:  # noqa: BLE001 - the graph is still planned, by DDP's caps
             # Deterministic for a given graph, so every rank falls back alike (and the
             # plan agreement check would say so if not).
@@ -293,9 +293,23 @@ class GraphCompiler:
         # 16-bit compression halves the bytes on the wire: of every bucket, or of the tail
         # alone, which is the first segment of the step's first graph.
         half = 0.5 if t.compression else 1.0
-        if t.config.compression_scope == "tail":
-            return t.costs.graph_costs(flops, tail_wire_scale=half if first_graph else 1.0)
-        return t.costs.graph_costs(flops, wire_scale=half, tail_wire_scale=half)
+        tail = half if first_graph or t.config.compression_scope != "tail" else 1.0
+        wire = 1.0 if t.config.compression_scope == "tail" else half
+        return t.costs.graph_costs(
+            flops,
+            wire_scale=wire,
+            tail_wire_scale=tail,
+            rows_nbytes=self._rows_nbytes(captured) if self._splits else None,
+        )
+
+    def _rows_nbytes(self, captured: CapturedGraph) -> dict[str, int]:
+        # Bytes of the rows a step looks up in each table, over all ranks (at most the table).
+        out = {}
+        for name, count in lookup_indices(captured).items():
+            table = captured.params[name]
+            row = table.numel() // max(table.shape[0], 1) * table.element_size() if table.dim() else 0
+            out[name] = min(table.numel() * table.element_size(), count * len(self.target.ranks) * row)
+        return out
 
     def _compile(
         self,

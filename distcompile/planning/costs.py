@@ -1,6 +1,6 @@
 """The cost model behind ``bucket_cap_mb="auto"``: its numbers and their arithmetic.
 
-The planner (``plan.GraphCosts``) needs three things to simulate a step: how long an
+The planner (``search.GraphCosts``) needs three things to simulate a step: how long an
 all-reduce of *b* bytes takes (``latency + b / bandwidth``), how fast this machine
 computes, and how much work each forward node's backward does (backward taken as twice
 forward). This module holds the fitted figures and turns them into planner inputs; the
@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .plan import GraphCosts
+from .search import GraphCosts
 
 __all__ = ["CostModel", "fit_line", "reuse_remembered", "snap"]
 
@@ -34,12 +34,19 @@ class CostModel:
     flops_per_s: float
 
     def graph_costs(
-        self, flops: Sequence[float], *, wire_scale: float = 1.0, tail_wire_scale: float = 1.0
+        self,
+        flops: Sequence[float],
+        *,
+        wire_scale: float = 1.0,
+        tail_wire_scale: float = 1.0,
+        rows_nbytes: dict[str, int] | None = None,
     ) -> GraphCosts:
         """Planner inputs for a graph whose nodes do ``flops`` forward FLOPs each.
 
         ``wire_scale`` / ``tail_wire_scale``: bytes sent per gradient byte for the
         buckets / for the first segment's bucket (0.5 when compressed to 16 bits).
+        ``rows_nbytes``: shared parameters are reduced by use, and these tables by rows
+        (``GraphCosts.rows_nbytes``); ``None``: neither.
 
         Example:
             >>> CostModel(1e-4, 1e8, 1e10).graph_costs([2e9]).node_backward_s
@@ -51,6 +58,8 @@ class CostModel:
             bytes_per_s=self.bytes_per_s,
             wire_scale=wire_scale,
             first_segment_wire_scale=tail_wire_scale,
+            split_shared=rows_nbytes is not None,
+            rows_nbytes=rows_nbytes,
         )
 
     def describe(self) -> str:

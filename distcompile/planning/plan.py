@@ -33,7 +33,10 @@ Algorithm
     segments; among plans within 1% of the best, the one with fewest segments wins
     (fewer pieces fuse better and compile faster). The search keeps the parameters with
     the first forward op in as small a last bucket as pays off: that bucket can only go
-    after backward ends.
+    after backward ends. With shared parameters reduced by use (Note [Shared weights
+    reduced by use]) buckets are priced as they will be sent: a later use adds the
+    parameter's bytes, in a bucket of its own, to its segment, and a table its home
+    segment only looks rows up in costs the rows a step touches (``search.py``).
 
 Notes
     Planning is pure: the same inputs give the same plan on every rank, and nothing here
@@ -53,6 +56,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .repeats import Blocks, allowed_cuts, piece_bounds
+from .search import GraphCosts, SharedUse, starts_by_cost
 
 __all__ = ["NodeInfo", "Bucket", "Plan", "GraphCosts", "plan_graph", "DEFAULT_FIRST_BUCKET_BYTES"]
 
@@ -77,30 +81,6 @@ class NodeInfo:
     params: tuple[str, ...] = ()
     last_user: int = -1
     lookups: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class GraphCosts:
-    """Estimated costs that let the planner choose segments from a schedule, not caps.
-
-    Attributes:
-        node_backward_s: Estimated backward seconds of each node (forward order).
-        latency_s: Fixed seconds of one all-reduce (launch, handshakes).
-        bytes_per_s: All-reduce throughput in buffer bytes per second.
-        segment_backward_s: Backward cost of one more segment (an autograd node, its call).
-        segment_forward_s: Forward cost of one more segment.
-        wire_scale: Bytes on the wire per gradient byte (0.5 under bf16/fp16 compression).
-        first_segment_wire_scale: The same for the first segment's bucket (the tail),
-            which ``compression_scope="tail"`` compresses alone.
-    """
-
-    node_backward_s: Sequence[float]
-    latency_s: float
-    bytes_per_s: float
-    segment_backward_s: float = 2e-4
-    segment_forward_s: float = 1e-4
-    wire_scale: float = 1.0
-    first_segment_wire_scale: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,7 +243,8 @@ def plan_graph(
     if costs is None:
         starts = _starts_by_cap(nodes, firsts_bytes, bucket_cap, first_bucket_cap, allowed)
     else:
-        starts = _starts_by_cost(nodes, firsts_bytes, costs, allowed)
+        shared = _shared_uses(nodes, param_bytes, first_use, costs) if costs.split_shared else ()
+        starts = starts_by_cost(nodes, firsts_bytes, costs, allowed, shared)
     if len(starts) > 1:
         first_stop = starts[1]
         if not any(first_use[p] < first_stop for p in first_use):
@@ -334,82 +315,16 @@ def _starts_by_cap(
     return sorted([0, *cuts])
 
 
-#: Most candidate segment starts the cost search considers (more are thinned by bytes).
-_MAX_CANDIDATES = 96
-#: Most segments per graph the cost search considers.
-_MAX_SEGMENTS = 32
-
-
-def _starts_by_cost(
-    nodes: Sequence[NodeInfo], firsts_bytes: Sequence[int], costs: GraphCosts, allowed: set[int] | None = None
-) -> list[int]:
-    n = len(nodes)
-    if len(costs.node_backward_s) != n:
-        raise ValueError(f"costs give {len(costs.node_backward_s)} node times for {n} nodes")
-    if not costs.bytes_per_s > 0 or costs.latency_s < 0:
-        raise ValueError(f"need bytes_per_s > 0 and latency_s >= 0, got {costs!r}")
-    if allowed is None:
-        cands = [i for i in range(1, n) if firsts_bytes[i] > 0]
-    else:  # an allowed start is worth trying if parameters are first read before the next one
-        marks = sorted(p for p in allowed if 0 < p < n)
-        cands = [p for p, q in zip(marks, [*marks[1:], n]) if any(firsts_bytes[p:q])]
-    if len(cands) > _MAX_CANDIDATES:  # keep the starts where cumulative bytes cross even steps
-        step = sum(firsts_bytes) / _MAX_CANDIDATES
-        kept, acc, prev = [], 0, 0
-        for i in cands:
-            acc += sum(firsts_bytes[prev:i])
-            prev = i
-            if acc >= step * (len(kept) + 1):
-                kept.append(i)
-        cands = kept
-    points = [0, *cands, n]
-    m = len(points) - 1
-    below = [0.0] * (n + 1)  # backward seconds of nodes[i:]
-    byte_below = [0] * (n + 1)  # bytes first used in nodes[i:]
-    for i in range(n - 1, -1, -1):
-        below[i] = below[i + 1] + costs.node_backward_s[i]
-        byte_below[i] = byte_below[i + 1] + firsts_bytes[i]
-    # valid[a][b]: segment points[a]..points[b] has a value used after it (else FX drops it).
-    valid = [[False] * (m + 1) for _ in range(m + 1)]
-    for a in range(m):
-        reach, i = -1, points[a]
-        for b in range(a + 1, m + 1):
-            while i < points[b]:
-                reach = max(reach, nodes[i].last_user)
-                i += 1
-            valid[a][b] = points[b] == n or reach >= points[b]
-    inf = float("inf")
-    kmax = min(_MAX_SEGMENTS, m)
-    # finish[a][k]: earliest end of the last all-reduce when nodes[points[a]:] form k segments.
-    finish = [[inf] * (kmax + 1) for _ in range(m + 1)]
-    choice = [[-1] * (kmax + 1) for _ in range(m + 1)]
-    finish[m][0] = 0.0
-    for a in range(m - 1, -1, -1):
-        for b in range(a + 1, m + 1):
-            if not valid[a][b]:
-                continue
-            nbytes = byte_below[points[a]] - byte_below[points[b]]
-            nbytes *= costs.first_segment_wire_scale if a == 0 else costs.wire_scale
-            comm = costs.latency_s + nbytes / costs.bytes_per_s if nbytes else 0.0
-            for k in range(1, kmax + 1):
-                prev = finish[b][k - 1]
-                if prev == inf:
-                    continue
-                ready = below[points[a]] + k * costs.segment_backward_s
-                t = max(ready, prev) + comm
-                if t < finish[a][k]:
-                    finish[a][k], choice[a][k] = t, b
-    totals = {
-        k: max(below[0] + k * costs.segment_backward_s, finish[0][k]) + k * costs.segment_forward_s
-        for k in range(1, kmax + 1)
-        if finish[0][k] < inf
-    }
-    if not totals:
-        return [0]
-    best = min(totals.values())
-    k = min(k for k, t in totals.items() if t <= best * 1.01)
-    starts, a = [], 0
-    while k > 0:
-        starts.append(points[a])
-        a, k = choice[a][k], k - 1
-    return starts
+def _shared_uses(
+    nodes: Sequence[NodeInfo], param_bytes: Mapping[str, int], first_use: Mapping[str, int], costs: GraphCosts
+) -> list[SharedUse]:
+    # Parameters this graph owns and reads more than once, or reads as an embedding table.
+    rows = costs.rows_nbytes or {}
+    out = []
+    for p, first in first_use.items():
+        readers = tuple(i for i, x in enumerate(nodes) if p in x.params)
+        lookups = tuple(i for i in readers if p in nodes[i].lookups)
+        if len(readers) > 1 or lookups:
+            nbytes = param_bytes[p]
+            out.append(SharedUse(first, readers, lookups, nbytes, min(nbytes, rows.get(p, nbytes))))
+    return out
