@@ -4,6 +4,7 @@ reduced by use (Note [Shared weights reduced by use]) against eager DDP, step by
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,8 @@ from distcompile.models import GPT, GPTConfig, synthetic_batch
 #: 2 layers, a 2048-token vocabulary (the tied table is 63% of the parameters), 4 x 32 tokens
 #: per rank: at most 256 of 2048 rows touched by 2 ranks.
 CFG = GPTConfig(vocab_size=2048, block_size=32, n_layer=2, n_head=2, n_embd=64)
+#: A 128-token vocabulary: 2 ranks x 4 x 32 tokens touch most rows (a dense table, 256 KiB).
+DENSE = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=512)
 
 
 def _ddp(base: torch.nn.Module, mode: str) -> DDP:
@@ -22,7 +25,7 @@ def _ddp(base: torch.nn.Module, mode: str) -> DDP:
         copy.deepcopy(base),
         bucket_cap_mb=0.1,
         gradient_as_bucket_view=mode == "grad_as_view",
-        find_unused_parameters=mode == "find_unused",
+        find_unused_parameters=mode.endswith("find_unused"),
     )
 
 
@@ -30,28 +33,35 @@ def split_parity(rank: int, world: int, mode: str, steps: int = 3) -> dict:
     """Eager DDP against distcompile (aot_eager) on the same batches; ``mode``: ``plain``,
     ``no_sync`` (a micro-batch accumulated first), ``grad_as_view``, ``find_unused``, ``bf16``
     (fused bf16 compression on distcompile; eager DDP in fp32: DDP's bf16 hook needs CUDA), ``off``
-    (``split_shared=False``), ``verify`` (``verify=True``)."""
+    (``split_shared=False``), ``verify`` (``verify=True``), ``dense`` (a table whose rows are
+    mostly touched every step), ``dense_find_unused`` (the same, frozen layout)."""
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("distcompile").addHandler(handler)
+    cfg = DENSE if mode.startswith("dense") else CFG
     torch.manual_seed(0)
-    base = GPT(CFG)
+    base = GPT(cfg)
     eager = _ddp(base, mode)
     options = {"compression": "bf16"} if mode == "bf16" else {}
     options |= {"split_shared": False} if mode == "off" else {}
     options |= {"verify": True} if mode == "verify" else {}
     ours = distcompile.wrap(_ddp(base, mode), backend="aot_eager", **options)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (eager, ours)]
-    grad_diff, losses = [], []
+    grad_diff, losses, layouts = [], [], []
     for step in range(steps):
         row = []
         for model in (eager, ours):
             if mode == "no_sync":
-                x, y = synthetic_batch(CFG, batch_size=4, step=100 + step, rank=rank)
+                x, y = synthetic_batch(cfg, batch_size=4, step=100 + step, rank=rank)
                 with model.no_sync():
                     GPT.loss(model(x), y).backward()
-            x, y = synthetic_batch(CFG, batch_size=4, step=step, rank=rank)
+            x, y = synthetic_batch(cfg, batch_size=4, step=step, rank=rank)
             loss = GPT.loss(model(x), y)
             loss.backward()
             row.append(float(loss.detach()))
         losses.append(row)
+        layouts.append([(type(b).__name__, list(b.names)) for b in ours._reducer._last_order or []])
         grad_diff.append(
             max(
                 float((a.grad - b.grad).abs().max() / b.grad.abs().max().clamp_min(1e-12))
@@ -74,4 +84,6 @@ def split_parity(rank: int, world: int, mode: str, steps: int = 3) -> dict:
         "buckets": [(type(b).__name__, list(b.names), b.nbytes) for b in order],
         "split": ours.graphs[0].split.describe(),
         "wte_bytes": base.wte.weight.numel() * 4,
+        "warnings": warnings,
+        "layouts": layouts,
     }

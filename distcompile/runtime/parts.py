@@ -4,6 +4,12 @@ A part travels in a bucket like a parameter: the bucket sees a *holder*, a detac
 of the parameter (no memory of its own) whose ``.grad`` is the part's gradient. The
 holder's bucket comes before the parameter's own bucket in launch order, so by the time
 the parameter's reduced gradient is written, its parts are too, and are added to it.
+
+A table whose row bucket found most rows touched (every rank sees the same union) gains
+nothing from its parts: its own bucket carries the whole table at the end anyway, and the
+parts' bytes are sent twice. For the next ``DENSE_FOR`` steps it is reduced whole, as under
+DDP (no parts, no row question); then the split is tried again. Not under ``Join``, where a
+rank that joined replays the layout of its last step.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 
 from ..planning.plan import Plan
 from ..planning.split import SplitPlan
+from .rows import DENSE_FOR, RowBucket
 
 __all__ = ["SharedParts"]
 
@@ -36,6 +43,7 @@ class SharedParts:
         self.holders: dict[str, torch.Tensor] = {}
         self._of: dict[int, list[torch.Tensor]] = {}  # id(param) -> its holders
         self._graphs: dict[int, tuple[list[tuple[str, ...]], tuple[str, ...], tuple[str, ...]]] = {}
+        self.whole: dict[str, int] = {}  # tables found dense -> steps left reduced whole
 
     def add_graph(self, graph_id: int, split: SplitPlan, plan: Plan) -> None:
         """Remember graph ``graph_id``'s groups with its parts, and its row-reduced parameters."""
@@ -58,11 +66,60 @@ class SharedParts:
         ran = [g for g in graphs if g in self._graphs]
         if not ran:
             return None
-        groups = {g: (self._graphs[g][0] if g in self._graphs else list(b)) for g, b in graph_buckets.items()}
+        off = self._off()
+        groups = {
+            g: [t for t in (tuple(n for n in x if n not in off) for x in self._graphs[g][0]) if t]
+            if g in self._graphs
+            else list(b)
+            for g, b in graph_buckets.items()
+        }
         params = dict(self.params)
-        params.update((n, self.holders[n]) for g in ran for n in self._graphs[g][1])
-        rows = {id(self.params[n]) for g in ran for n in self._graphs[g][2]}
+        params.update((n, self.holders[n]) for g in ran for n in self._graphs[g][1] if n not in off)
+        rows = {id(self.params[n]) for g in ran for n in self._graphs[g][2] if n not in self.whole}
         return groups, params, rows
+
+    def static_layouts(
+        self, static: Sequence[Sequence[str]], rows: set[int]
+    ) -> list[tuple[dict, dict, set[int]]]:
+        """The frozen layout ``static`` (holders' names included) with its parts and row buckets,
+        then without (Note [Graphs that differ by data])."""
+        holders = {n: h for n, h in self.holders.items() if any(n in b for b in static)}
+        off = self._off()
+        whole = {id(self.params[n]) for n in self.whole}
+        split = [[n for n in b if n not in off] for b in static]
+        plain = [[n for n in b if n not in holders] for b in static]
+        return [
+            (
+                {-1: [b for b in split if b]},
+                {**self.params, **{n: h for n, h in holders.items() if n not in off}},
+                rows - whole,
+            ),
+            ({-1: [b for b in plain if b]}, dict(self.params), set()),
+        ]
+
+    def _off(self) -> set[str]:
+        """The holders of tables reduced whole for now."""
+        return {n for n in self.holders if n.rsplit("@", 1)[0] in self.whole}
+
+    def settle(self, order: Sequence, *, joining: bool) -> bool:
+        """After a step's buckets are written: reduce whole, for ``DENSE_FOR`` steps, the tables
+        with parts whose row bucket found them dense; count the others down. True when the
+        layout changes (the reducer then rebuilds its buckets). Nothing changes under ``Join``."""
+        if joining or not self._of:
+            return False
+        changed = False
+        for name in list(self.whole):
+            self.whole[name] -= 1
+            if self.whole[name] <= 0:
+                del self.whole[name]
+                changed = True
+        for b in order:
+            if isinstance(b, RowBucket) and b.found_dense and id(b.params[0]) in self._of:
+                name = b.names[0]
+                log.debug("%s: most rows touched; reduced whole for %d steps", name, DENSE_FOR)
+                self.whole[name] = DENSE_FOR
+                changed = True
+        return changed
 
     def in_order(self, order: Sequence) -> bool:
         """Whether every holder's bucket launches before its parameter's (else the parts could

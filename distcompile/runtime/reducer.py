@@ -230,11 +230,7 @@ class BucketReducer(WriteBack):
         """Bucket layouts to try, best first: with parts and row buckets (Note [Shared weights
         reduced by use]; not under a communication hook), then without."""
         if self._static is not None:
-            named = {n for b in self._static for n in b}
-            holders = {n: h for n, h in self.parts.holders.items() if n in named}
-            plain = [[n for n in b if n not in holders] for b in self._static]
-            split = ({-1: self._static}, {**self.params, **holders}, self._static_rows)
-            layouts = [split, ({-1: plain}, self.params, set())]
+            layouts = self.parts.static_layouts(self._static, self._static_rows)
         else:
             layouts = [
                 self.parts.layout(self._graph_buckets, graphs),
@@ -387,6 +383,8 @@ class BucketReducer(WriteBack):
         self._launch_ready(step, all_remaining=True)
         self._wait_and_write(step.order[step.written :])
         self.optimizers.end_step()
+        if self.parts.settle(step.order, joining=step.joining):
+            self._schedules.clear()  # a dense table's parts leave the layout, or come back
         self._last_order = step.order
         t1 = time.perf_counter()
         stats = StepStats(
@@ -401,7 +399,8 @@ class BucketReducer(WriteBack):
         if self.observer is not None:
             stats = replace(stats, **self.observer.end_step(stats))
         if self.steps == 0 and dist.get_rank(self.group) == 0:  # once, after the first step
-            report_uncompiled(step.order or (), self._claimed_by(step), self.params, log)
+            claimed = self._claimed_by(step) | set(self.parts.holders)  # parts: from the graphs too
+            report_uncompiled(step.order or (), claimed, self.params, log)
         self.last_step = stats
         self.steps += 1
 

@@ -53,6 +53,7 @@ class RowBucket(OneParamBucket):
         self.rows: torch.Tensor | None = None  # the union's row indices; None: the whole table
         self.any_produced = False
         self._dense_for = 0  # launches left that reduce the whole table without asking
+        self.found_dense = False  # this launch asked, and most rows were touched
         self._sent: torch.Tensor | None = None
 
     @property
@@ -75,6 +76,7 @@ class RowBucket(OneParamBucket):
         grad = p.grad if self.ready[0] else None
         self.produced = (grad is not None,)
         self.launched_at = time.perf_counter()
+        self.found_dense = False
         self.rows = self._agree_rows(group, grad) if self._dense_for == 0 else None
         if self.rows is None:  # the whole table, flag last (as a FlatBucket)
             self._dense_for = max(self._dense_for - 1, 0)
@@ -105,7 +107,7 @@ class RowBucket(OneParamBucket):
         count = int(union.sum())  # read on the host: the same on every rank
         self.any_produced = bool(touched[-1] > 0)
         if count > ROWS_WHEN_BELOW * p.shape[0]:
-            self._dense_for = DENSE_FOR
+            self._dense_for, self.found_dense = DENSE_FOR, True
             return None
         return union.nonzero().squeeze(1)
 

@@ -40,6 +40,7 @@ class OpenStep:
         # Under Join: the all-reduce counting the ranks that have not joined (DDP's rule:
         # divide by them instead of the world size when divide_by_initial_world_size=False).
         self.join_work = None if divide_by_initial else join_work
+        self.joining = join_work is not None  # inside a Join context
 
 
 def claimed_by(graph_buckets: Mapping[int, Sequence[Sequence[str]]], graphs: Sequence[int]) -> set[str]:

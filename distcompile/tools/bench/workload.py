@@ -39,13 +39,18 @@ class Workload:
         """The workload of the initialized process group's rank (``--small``: a tiny model).
 
         On CUDA (one rank per GPU): a GPT-2-small-sized model (111M parameters, 1024
-        tokens, batch 8) under bf16 autocast with fused AdamW; on CPU a 4-layer GPT.
+        tokens, batch 8) under bf16 autocast with fused AdamW; on CPU a 4-layer GPT, or
+        with ``--workload tied`` GPT-2 small's proportions at a size for two cores.
         """
         rank, world = dist.get_rank(), dist.get_world_size()
         cuda = getattr(args, "device", "cpu") == "cuda"
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         if args.small:
             cfg, batch = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64), 4
+        elif getattr(args, "workload", "gpt") == "tied" and not cuda:
+            # Tied embedding 2.1M of 6.8M parameters (31%, GPT-2 small's share); 256 tokens a
+            # step per rank, so backward lasts about as long as the all-reduce of every gradient.
+            cfg, batch = GPTConfig(vocab_size=8192, block_size=128, n_layer=6, n_head=4, n_embd=256), 2
         elif cuda:
             cfg, batch = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768), 8
         else:
