@@ -30,10 +30,10 @@ Algorithm
     (estimated node times plus a fixed cost per segment), all-reduces run one after
     another, each costing ``latency + bytes / bandwidth``. The plan minimizes
     ``max(end of backward, end of communication)`` plus the forward cost of its
-    segments; among plans within 1% of the best, the one with fewest segments wins
-    (fewer pieces fuse better and compile faster). The search keeps the parameters with
-    the first forward op in as small a last bucket as pays off: that bucket can only go
-    after backward ends. With shared parameters reduced by use (Note [Shared weights
+    segments. Among plans within 1% of the best, the one with the smallest last bucket
+    wins, then the one with fewest segments (fewer pieces fuse better and compile
+    faster): that bucket can only go after backward ends, whatever the link does, while
+    the simulated queue of the others rests on a measured bandwidth that can be off. With shared parameters reduced by use (Note [Shared weights
     reduced by use]) buckets are priced as they will be sent: a later use adds the
     parameter's bytes, in a bucket of its own, to its segment, and a table its home
     segment only looks rows up in costs the rows a step touches (``search.py``).

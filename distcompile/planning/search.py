@@ -194,7 +194,15 @@ def starts_by_cost(
     if not totals:
         return [0]
     best = min(totals.values())
-    k = min(k for k, t in totals.items() if t <= best * 1.01)
+
+    def tail_bytes(k: int) -> int:  # what the plan's first segment sends after backward
+        return (
+            byte_below[0]
+            - byte_below[points[choice[0][k]]]
+            + segment_bytes(shared, 0, points[choice[0][k]])[0]
+        )
+
+    k = min((k for k, t in totals.items() if t <= best * 1.01), key=lambda k: (tail_bytes(k), k))
     starts, a = [], 0
     while k > 0:
         starts.append(points[a])
