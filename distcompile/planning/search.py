@@ -196,11 +196,13 @@ def starts_by_cost(
     best = min(totals.values())
 
     def tail_bytes(k: int) -> int:  # what the plan's first segment sends after backward
-        return (
-            byte_below[0]
-            - byte_below[points[choice[0][k]]]
-            + segment_bytes(shared, 0, points[choice[0][k]])[0]
-        )
+        a, stop = 0, 0
+        while k > 0:  # a parameter-free preamble joins the next segment (plan_graph)
+            a, k = choice[a][k], k - 1
+            stop = points[a]
+            if byte_below[0] > byte_below[stop]:
+                break
+        return byte_below[0] - byte_below[stop] + segment_bytes(shared, 0, stop)[0]
 
     k = min((k for k, t in totals.items() if t <= best * 1.01), key=lambda k: (tail_bytes(k), k))
     starts, a = [], 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import pytest
 import torch
 
 from distcompile import NodeInfo, plan_graph
@@ -18,11 +19,14 @@ from distcompile.planning.search import GraphCosts, SharedUse, segment_bytes
 from distcompile.planning.split import split_shared
 
 
-def _tied(layers: int) -> tuple[list[NodeInfo], dict[str, int]]:
-    """A chain: lookup in table ``w``, ``layers`` layers, an output head reading ``w`` again."""
-    nodes = [NodeInfo("emb", ("w",), 1, ("w",))]
-    nodes += [NodeInfo(f"b{i}", (f"v{i}",), i + 2) for i in range(layers)]
-    nodes.append(NodeInfo("head", ("w",), layers + 2))
+def _tied(layers: int, *, preamble: bool = False) -> tuple[list[NodeInfo], dict[str, int]]:
+    """A chain: lookup in table ``w``, ``layers`` layers, an output head reading ``w`` again
+    (``preamble``: after a node that reads no parameter, like ``arange`` for positions)."""
+    o = int(preamble)
+    nodes = [NodeInfo("arange", (), 1)] if preamble else []
+    nodes.append(NodeInfo("emb", ("w",), o + 1, ("w",)))
+    nodes += [NodeInfo(f"b{i}", (f"v{i}",), o + i + 2) for i in range(layers)]
+    nodes.append(NodeInfo("head", ("w",), o + layers + 2))
     return nodes, {"w": 8_000_000, **{f"v{i}": 3_000_000 for i in range(layers)}}
 
 
@@ -125,16 +129,20 @@ def test_lookups_are_counted_from_the_traced_graph() -> None:
     assert seen == {"wte.weight": 48, "wpe.weight": 16}
 
 
-def test_among_plans_the_model_cannot_tell_apart_the_smallest_tail_wins() -> None:
+@pytest.mark.parametrize("preamble", [False, True])
+def test_among_plans_the_model_cannot_tell_apart_the_smallest_tail_wins(preamble: bool) -> None:
     # The link is the bottleneck (27 MB at 50 MB/s against 0.25 s of backward): in the
     # simulation every plan ends when the queue drains, so a block could ride in the last
     # bucket for free. A real link faster than measured would then wait for it after
-    # backward: the plan keeps the first segment to the lookup alone.
-    nodes, sizes = _tied(4)
-    secs = [0.001, 0.05, 0.05, 0.05, 0.05, 0.04]
+    # backward: the plan keeps the first segment to the lookup alone (with a parameter-free
+    # preamble, which joins it).
+    nodes, sizes = _tied(4, preamble=preamble)
+    secs = [0.0] * preamble + [0.001, 0.05, 0.05, 0.05, 0.05, 0.04]
     costs = GraphCosts(secs, 1e-4, 50e6, split_shared=True, rows_nbytes={"w": 500_000})
     plan = plan_graph(nodes, sizes, costs=costs)
-    assert plan.segments[0] == (0, 1), plan.segments
+    assert plan.segments[0] == (0, 1 + preamble), plan.segments
+    if preamble:
+        return
     assert _simulate([0, 2, 5], nodes, sizes, costs) <= _simulate(
         [s for s, _ in plan.segments], nodes, sizes, costs
     )
