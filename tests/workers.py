@@ -506,12 +506,22 @@ def counter_recompiles(rank: int, world: int) -> dict:
     return {"out": out, "reasons": [list(g.recompile_reasons) for g in model.graphs]}
 
 
-def shared_compile(rank: int, world: int, cache_dir: str) -> dict:
-    """``parity`` of a GPT under Inductor, both ranks on one empty compile cache, with retain_graph=True.
+def shared_compile(rank: int, world: int, cache_dir: str | list[str]) -> dict:
+    """``parity`` of a GPT under Inductor, both ranks on one empty compile cache (or each on
+    ``cache_dir[rank]``), with retain_graph=True.
 
-    Returns the parity result plus this rank's AOTAutograd compiles and cache hits.
+    Returns the parity result plus this rank's AOTAutograd compiles and cache hits, and
+    the compile log's lines.
     """
+    import logging
+
+    cache_dir = cache_dir if isinstance(cache_dir, str) else cache_dir[rank]
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("distcompile").addHandler(handler)
+    logging.getLogger("distcompile").setLevel(logging.INFO)
     # Shared compiles build each backward with its forward, for a plain backward; what
     # docs/debugging.md tells a user of retain_graph=True to set:
     torch._functorch.config.donated_buffer = False
@@ -521,6 +531,7 @@ def shared_compile(rank: int, world: int, cache_dir: str) -> dict:
     result["aot_hits"] = after[1] - before[1]
     result["aot_compiled"] = after[0] - before[0] - result["aot_hits"]
     result["peers"] = len(os.listdir(os.path.join(cache_dir, "distcompile-peers")))
+    result["log"] = lines
     return result
 
 

@@ -365,9 +365,14 @@ class GraphCompiler:
     def _backward_note(self, plan: Plan) -> str:
         if self.target.config.backend == "eager" or not torch.is_grad_enabled():
             return ""
-        peers = (self._sharing.peers or ()) if self._together else ()  # Note [Sharing compiles between ranks]
+        # Note [Sharing compiles between ranks], Note [Compiles shared across cache folders]
+        sharing = self._sharing
+        peers = sharing.sharers if self._together and sharing.peers is not None else ()
         if len(peers) > 1 and len(plan.compiled_pieces) > 1:  # one piece: each rank compiles it
-            return f"; compiles split between ranks {list(peers)} (backward included)"
+            sources = sharing.describe_sources()
+            return f"; compiles split between ranks {list(peers)} (backward included)" + (
+                f"; {sources}" if sources else ""
+            )
         return "; its backward compiles during the first backward"
 
     def _record(self, record: GraphRecord, compiled: Callable, t0: float) -> Callable:

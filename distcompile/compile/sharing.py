@@ -36,8 +36,7 @@ Debugging
 from __future__ import annotations
 
 import logging
-import os
-import uuid
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,12 +45,13 @@ import torch
 from torch import fx
 
 from .. import _torch_compat as compat
+from . import transfer
+from .peers import cache_peers, folder_of
 
 __all__ = [
     "CompileJob",
     "CompileSharing",
     "assign",
-    "cache_peers",
     "cpu_check_order",
     "run_cpu_checks",
     "runs_on_cpu",
@@ -147,49 +147,6 @@ def run_cpu_checks(npeers: int = 1, me: int = 0) -> None:
         compat.run_cpu_isa_check(checks[i])
 
 
-def cache_peers(
-    store: object, prefix: str, *, rank: int, ranks: Sequence[int], timeout_s: float
-) -> tuple[int, ...]:
-    """The ranks of ``ranks`` that see this rank's files in Inductor's cache folder (itself included).
-
-    Collective over ``ranks`` (each must call it with the same ``prefix``). A rank that
-    cannot write the folder, or does not hear from the others in time, shares with nobody.
-
-    Example:
-        >>> # cache_peers(default_store(), "distcompile/wrap0/peers", rank=0, ranks=[0, 1], timeout_s=60)
-    """
-    if len(ranks) < 2:
-        return (rank,)
-    wait = timedelta(seconds=timeout_s)
-    folder = os.path.join(compat.inductor_cache_dir(), "distcompile-peers")
-    mine = ""
-    try:
-        if rank == ranks[0]:
-            store.set(f"{prefix}/token", uuid.uuid4().hex)
-        store.wait([f"{prefix}/token"], wait)
-        token = store.get(f"{prefix}/token").decode()
-        try:
-            os.makedirs(folder, exist_ok=True)
-            with open(os.path.join(folder, f"{token}-{rank}"), "w"):
-                mine = os.path.join(folder, f"{token}-{rank}")
-        except OSError as exc:
-            log.debug("cannot write in %s (%s): this rank compiles every piece itself", folder, exc)
-        store.set(f"{prefix}/wrote/{rank}", "1")
-        store.wait([f"{prefix}/wrote/{r}" for r in ranks], wait)
-        seen = tuple(r for r in ranks if mine and os.path.exists(os.path.join(folder, f"{token}-{r}")))
-        store.set(f"{prefix}/read/{rank}", "1")
-        store.wait([f"{prefix}/read/{r}" for r in ranks], wait)
-    except Exception as exc:  # noqa: BLE001 - the store's timeout error type differs across versions
-        log.warning(
-            "rank %d: could not find the ranks sharing its compile cache (%s); compiling alone", rank, exc
-        )
-        seen = ()
-    finally:
-        if mine:
-            os.remove(mine)
-    return seen or (rank,)
-
-
 class CompileSharing:
     """Compiles each graph's distinct pieces, each on one of the peers, and loads the rest.
 
@@ -219,18 +176,32 @@ class CompileSharing:
         self.ranks = tuple(ranks) if enabled else (rank,)
         self.timeout_s = timeout_s
         self.peers: tuple[int, ...] | None = None
+        self.folders: dict[int, int] = {}  # rank -> its folder's first rank
+        self.sources: Counter[str] = Counter()  # where the last compile_all's pieces came from
+        self.received_bytes = 0
 
     def find_peers(self) -> tuple[int, ...]:
-        """The peers, found on first use (collective over ``ranks``)."""
+        """The peers, found on first use (collective over ``ranks``), and every rank's folder."""
         if self.peers is None:
+            store = self._store()
             self.peers = cache_peers(
-                self._store(),
-                f"{self.prefix}/peers",
+                store, f"{self.prefix}/peers", rank=self.rank, ranks=self.ranks, timeout_s=self.timeout_s
+            )
+            self.folders = folder_of(
+                store,
+                f"{self.prefix}/folders",
                 rank=self.rank,
+                peers=self.peers,
                 ranks=self.ranks,
                 timeout_s=self.timeout_s,
             )
         return self.peers
+
+    @property
+    def sharers(self) -> tuple[int, ...]:
+        """The ranks that split the compiles: the whole job when the ranks have several
+        cache folders (Note [Compiles shared across cache folders]), else the folder's peers."""
+        return self.ranks if len(set(self.folders.values())) > 1 else self.find_peers()
 
     def abandon(self, graph: str) -> None:
         """This rank left the shared compile ``graph`` (TorchDynamo restarted its trace, or it
@@ -280,29 +251,103 @@ class CompileSharing:
         ``graph`` names the compile (the same on every rank), so that its jobs' keys in
         the store are its own. Under ``compat.eager_backward`` when shared.
         """
-        peers = self.find_peers()
-        if len(peers) == 1:
-            return [compile_one(job) for job in jobs]
+        self.find_peers()
+        sharers = self.sharers
+        self.sources = Counter()
+        if len(sharers) == 1:
+            return [self._compile_here(compile_one, job) for job in jobs]
         store = self._store()
         # By position: every rank has the same jobs (the graphs agree); piece keys name
         # objects by their id, which differs between ranks.
         done = [f"{self.prefix}/{graph}/{len(jobs)}/{j}" for j in range(len(jobs))]
-        owner = assign([job.cost if job.shareable else 0 for job in jobs], len(peers))
-        mine = [j for j, job in enumerate(jobs) if peers[owner[j]] == self.rank or not job.shareable]
+        owner = [sharers[o] for o in assign([job.cost if job.shareable else 0 for job in jobs], len(sharers))]
+        mine = [j for j, job in enumerate(jobs) if owner[j] == self.rank or not job.shareable]
         out: list = [None] * len(jobs)
         if runs_on_cpu(a for job in jobs for a in job.args):
             # Inductor's one-time CPU checks come before its first C++ kernel: split them too.
-            run_cpu_checks(len(peers), peers.index(self.rank))
+            run_cpu_checks(len(sharers), sharers.index(self.rank))
+        here = self.folders.get(self.rank)  # None: one folder (peers set by hand)
+
+        def same_folder(r: int) -> bool:
+            return here is None or self.folders.get(r) == here
+
         with compat.eager_backward():
             for j in mine:
                 try:
-                    out[j] = compile_one(jobs[j])
+                    out[j] = self._compile_here(compile_one, jobs[j])
                 finally:  # done or failed: the peers stop waiting either way
                     store.set(done[j], str(self.rank))
+            if not all(same_folder(r) for r in sharers):
+                self._publish(store, f"{self.prefix}/{graph}/art/{self.rank}")
+            loaded: set[int] = set()
             for j in (j for j in range(len(jobs)) if j not in mine):
-                self._wait_for(store, done[j], peers[owner[j]], graph)
+                peer = owner[j]
+                if same_folder(peer):
+                    self._wait_for(store, done[j], peer, graph)
+                    self.sources["same-folder peer"] += 1
+                elif peer in loaded or self._load_from(store, peer, graph):
+                    loaded.add(peer)
+                    self.sources["other-folder peer"] += 1
+                else:
+                    out[j] = self._compile_here(compile_one, jobs[j])
+                    continue
                 out[j] = compile_one(jobs[j])
-        log.debug(
-            "rank %d compiled %d of %d distinct piece(s); peers %s", self.rank, len(mine), len(jobs), peers
-        )
+        log.debug("rank %d: pieces of %s: %s; peers %s", self.rank, graph, dict(self.sources), sharers)
         return out
+
+    def describe_sources(self) -> str:
+        """Where the last compile's pieces came from, for the compile log line.
+
+        Example:
+            >>> s = CompileSharing(lambda: None, "", rank=0, ranks=(0,), timeout_s=1)
+            >>> s.sources.update({"compiled here": 2, "other-folder peer": 3}); s.received_bytes = 2_500_000
+            >>> s.describe_sources()
+            'pieces: 2 compiled here, 3 from other-folder peers (2.5 MB through the store)'
+        """
+        parts = [f"{n} compiled here" for n in [self.sources["compiled here"]] if n]
+        parts += [f"{n} from the cache" for n in [self.sources["cache"]] if n]
+        parts += [f"{n} from same-folder peers" for n in [self.sources["same-folder peer"]] if n]
+        parts += [
+            f"{n} from other-folder peers ({self.received_bytes / 1e6:.1f} MB through the store)"
+            for n in [self.sources["other-folder peer"]]
+            if n
+        ]
+        return "pieces: " + ", ".join(parts) if parts else ""
+
+    def _compile_here(self, compile_one: Callable[[CompileJob], object], job: CompileJob) -> object:
+        hits = compat.compile_cache_hits()
+        out = compile_one(job)
+        self.sources["cache" if compat.compile_cache_hits() > hits else "compiled here"] += 1
+        return out
+
+    def _publish(self, store: object, key: str) -> None:
+        # Whatever happens, "ready" is set: the other folders stop waiting and compile
+        # themselves if nothing usable was published.
+        try:
+            payload = transfer.collect()
+            if payload:
+                transfer.publish(store, key, payload, compat.build_fingerprint())
+        except Exception as exc:  # noqa: BLE001 - the others compile what they cannot load
+            log.warning(
+                "rank %d: could not publish its compiled pieces (%s: %s)", self.rank, type(exc).__name__, exc
+            )
+        finally:
+            store.set(f"{key}/ready", "1")  # type: ignore[attr-defined]
+
+    def _load_from(self, store: object, peer: int, graph: str) -> bool:
+        """Load ``peer``'s published pieces of ``graph`` (another folder) into the caches here."""
+        key = f"{self.prefix}/{graph}/art/{peer}"
+        self._wait_for(store, f"{key}/ready", peer, graph)
+        why = ""
+        try:
+            payload, why = transfer.fetch(store, key, compat.build_fingerprint())
+            if payload is not None:
+                transfer.install(payload)
+                self.received_bytes += len(payload)
+                return True
+        except Exception as exc:  # noqa: BLE001 - compiled here instead, which is never wrong
+            why = f"{type(exc).__name__}: {exc}"
+        log.warning(
+            "rank %d: not loading rank %d's compiled pieces: %s; compiling them here", self.rank, peer, why
+        )
+        return False

@@ -123,6 +123,20 @@ def segment_bytes(shared: Sequence[SharedUse], start: int, stop: int) -> tuple[i
     return own, parts
 
 
+def _valid_segments(nodes: Sequence[NodeInfo], points: Sequence[int]) -> list[list[bool]]:
+    # valid[a][b]: segment points[a]..points[b] has a value used after it (else FX drops it).
+    n, m = len(nodes), len(points) - 1
+    valid = [[False] * (m + 1) for _ in range(m + 1)]
+    for a in range(m):
+        reach, i = -1, points[a]
+        for b in range(a + 1, m + 1):
+            while i < points[b]:
+                reach = max(reach, nodes[i].last_user)
+                i += 1
+            valid[a][b] = points[b] == n or reach >= points[b]
+    return valid
+
+
 def starts_by_cost(
     nodes: Sequence[NodeInfo],
     firsts_bytes: Sequence[int],
@@ -151,15 +165,7 @@ def starts_by_cost(
     for i in range(n - 1, -1, -1):
         below[i] = below[i + 1] + costs.node_backward_s[i]
         byte_below[i] = byte_below[i + 1] + firsts_bytes[i]
-    # valid[a][b]: segment points[a]..points[b] has a value used after it (else FX drops it).
-    valid = [[False] * (m + 1) for _ in range(m + 1)]
-    for a in range(m):
-        reach, i = -1, points[a]
-        for b in range(a + 1, m + 1):
-            while i < points[b]:
-                reach = max(reach, nodes[i].last_user)
-                i += 1
-            valid[a][b] = points[b] == n or reach >= points[b]
+    valid = _valid_segments(nodes, points)
 
     def comm_s(a: int, b: int) -> float:
         own, parts = segment_bytes(shared, points[a], points[b])

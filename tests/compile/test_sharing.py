@@ -86,7 +86,7 @@ def test_a_peer_that_left_the_compile_is_not_waited_for(caplog) -> None:  # noqa
 def _peers(rank: int, world: int, folders: list[str]) -> tuple[int, ...]:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = folders[rank]
     from distcompile._agreement import default_store
-    from distcompile.compile.sharing import cache_peers
+    from distcompile.compile.peers import cache_peers
 
     return cache_peers(default_store(), "test/peers", rank=rank, ranks=list(range(world)), timeout_s=60)
 

@@ -1,0 +1,81 @@
+"""Which ranks share a compile cache folder (Note [Sharing compiles between ranks]) and
+which folder each rank of the job has (Note [Compiles shared across cache folders])."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Sequence
+from datetime import timedelta
+
+from .. import _torch_compat as compat
+
+__all__ = ["cache_peers", "folder_of"]
+
+log = logging.getLogger(__name__)
+
+
+def folder_of(
+    store: object, prefix: str, *, rank: int, peers: Sequence[int], ranks: Sequence[int], timeout_s: float
+) -> dict[int, int]:
+    """Every rank's cache folder, named by the first rank that sees it (collective over ``ranks``).
+
+    A rank that does not hear from the others in time takes every rank for a folder of its
+    own: it then publishes and loads compiles through the store, slower but never wrong.
+
+    Example:
+        >>> # folder_of(default_store(), "distcompile/wrap0/folders", rank=0, peers=(0, 1), ranks=(0, 1, 2, 3), timeout_s=60)
+    """
+    if len(ranks) < 2:
+        return {rank: rank}
+    try:
+        store.set(f"{prefix}/{rank}", str(min(peers)))  # type: ignore[attr-defined]
+        store.wait([f"{prefix}/{r}" for r in ranks], timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
+        return {r: int(store.get(f"{prefix}/{r}")) for r in ranks}  # type: ignore[attr-defined]
+    except Exception as exc:  # noqa: BLE001 - the store's timeout error type differs across versions
+        log.warning("rank %d: could not learn the other ranks' cache folders (%s)", rank, exc)
+        return {r: r for r in ranks}
+
+
+def cache_peers(
+    store: object, prefix: str, *, rank: int, ranks: Sequence[int], timeout_s: float
+) -> tuple[int, ...]:
+    """The ranks of ``ranks`` that see this rank's files in Inductor's cache folder (itself included).
+
+    Collective over ``ranks`` (each must call it with the same ``prefix``). A rank that
+    cannot write the folder, or does not hear from the others in time, shares with nobody.
+
+    Example:
+        >>> # cache_peers(default_store(), "distcompile/wrap0/peers", rank=0, ranks=[0, 1], timeout_s=60)
+    """
+    if len(ranks) < 2:
+        return (rank,)
+    wait = timedelta(seconds=timeout_s)
+    folder = os.path.join(compat.inductor_cache_dir(), "distcompile-peers")
+    mine = ""
+    try:
+        if rank == ranks[0]:
+            store.set(f"{prefix}/token", uuid.uuid4().hex)
+        store.wait([f"{prefix}/token"], wait)
+        token = store.get(f"{prefix}/token").decode()
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, f"{token}-{rank}"), "w"):
+                mine = os.path.join(folder, f"{token}-{rank}")
+        except OSError as exc:
+            log.debug("cannot write in %s (%s): this rank compiles every piece itself", folder, exc)
+        store.set(f"{prefix}/wrote/{rank}", "1")
+        store.wait([f"{prefix}/wrote/{r}" for r in ranks], wait)
+        seen = tuple(r for r in ranks if mine and os.path.exists(os.path.join(folder, f"{token}-{r}")))
+        store.set(f"{prefix}/read/{rank}", "1")
+        store.wait([f"{prefix}/read/{r}" for r in ranks], wait)
+    except Exception as exc:  # noqa: BLE001 - the store's timeout error type differs across versions
+        log.warning(
+            "rank %d: could not find the ranks sharing its compile cache (%s); compiling alone", rank, exc
+        )
+        seen = ()
+    finally:
+        if mine:
+            os.remove(mine)
+    return seen or (rank,)

@@ -1,0 +1,164 @@
+"""Note [Compiles shared across cache folders]
+
+Background
+    Ranks that see one Inductor cache folder share compiles through its files (Note
+    [Sharing compiles between ranks]). Ranks on other machines, or with folders of their
+    own, see none of those files: without more, every node compiles every piece again,
+    and a node that replaces a failed one starts cold while the others start warm.
+
+Algorithm
+    The job's own store carries the compiled pieces between folders. The ranks of all
+    folders split the distinct pieces between them. A rank that compiled its share
+    gathers what its process holds in PyTorch's compile caches: the AOTAutograd and
+    Inductor entries ``torch.compiler.save_cache_artifacts`` serializes (Triton kernels
+    bundled in on GPU) and, on CPU, the C++ kernel libraries those entries load (files in
+    Inductor's cache folder, named by a hash of their source and compile command). It
+    publishes them in the store, in chunks, under a content hash and a fingerprint of
+    what they were built with (``compat.build_fingerprint``). A rank of another folder
+    that needs one of those pieces fetches them once, checks both, writes the libraries
+    it lacks into its folder and loads the entries into its caches
+    (``load_cache_artifacts``); compiling the piece then hits the cache.
+
+Notes
+    Nothing here is pickled by distcompile: the container is a JSON header followed by
+    PyTorch's own bytes and the libraries' bytes. A fingerprint or hash that does not
+    match, a malformed container, or a library path outside the cache folder means the
+    piece is compiled here, with a log line saying why. What a process publishes is
+    everything it compiled or loaded so far (PyTorch's serializer appends), so a later
+    graph republishes earlier entries: simple, and bounded by the model's compiled code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+
+from .. import _torch_compat as compat
+
+__all__ = ["CHUNK_BYTES", "collect", "fetch", "install", "pack", "publish", "unpack"]
+
+log = logging.getLogger(__name__)
+
+#: Largest value put in the store at once.
+CHUNK_BYTES = 4 * 1024 * 1024
+_FORMAT = "distcompile-artifacts/1"
+
+
+def pack(entries: bytes, libs: Mapping[str, bytes]) -> bytes:
+    """A container of PyTorch's serialized cache entries and kernel libraries (path -> bytes).
+
+    Example:
+        >>> unpack(pack(b"abc", {"ab/k.so": b"\\x7fELF"}))
+        (b'abc', {'ab/k.so': b'\\x7fELF'})
+    """
+    header = {
+        "format": _FORMAT,
+        "entries": len(entries),
+        "libs": [[rel, len(data), hashlib.sha256(data).hexdigest()] for rel, data in libs.items()],
+    }
+    head = json.dumps(header).encode()
+    return len(head).to_bytes(8, "big") + head + entries + b"".join(libs.values())
+
+
+def unpack(blob: bytes) -> tuple[bytes, dict[str, bytes]]:
+    """The entries and libraries of a :func:`pack` container; ``ValueError`` if malformed.
+
+    Example:
+        >>> unpack(b"junk")
+        Traceback (most recent call last):
+        ...
+        ValueError: not a distcompile artifact container (4 bytes)
+    """
+    try:
+        size = int.from_bytes(blob[:8], "big")
+        header = json.loads(blob[8 : 8 + size])
+        at = 8 + size
+        entries, at = blob[at : at + header["entries"]], at + header["entries"]
+        listed = [(str(rel), int(n), str(digest)) for rel, n, digest in header["libs"]]
+        ok = header["format"] == _FORMAT
+    except (ValueError, TypeError, KeyError, AttributeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"not a distcompile artifact container ({len(blob)} bytes)")
+    libs = {}
+    for rel, n, digest in listed:
+        data, at = blob[at : at + n], at + n
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise ValueError(f"kernel library {rel} does not match its hash")
+        libs[rel] = data
+    if at != len(blob):
+        raise ValueError(f"artifact container holds {len(blob) - at} bytes more than its header says")
+    return entries, libs
+
+
+def collect() -> bytes:
+    """What this process can give: its compile-cache entries and the C++ kernel libraries
+    it loaded, packed (``b""`` when it has none)."""
+    entries = compat.save_artifacts()
+    root = compat.inductor_cache_dir()
+    libs = {}
+    for rel in compat.kernel_libraries():
+        try:
+            with open(os.path.join(root, rel), "rb") as f:
+                libs[rel] = f.read()
+        except OSError:  # removed meanwhile: the receiver compiles that kernel
+            continue
+    return pack(entries, libs) if entries or libs else b""
+
+
+def publish(store: object, key: str, payload: bytes, fingerprint: Mapping[str, str]) -> None:
+    """Put ``payload`` in the store under ``key``, chunked, its metadata (hash, fingerprint) last."""
+    chunks = [payload[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)]
+    for i, chunk in enumerate(chunks):
+        store.set(f"{key}/{i}", chunk)  # type: ignore[attr-defined]
+    meta = {
+        "chunks": len(chunks),
+        "bytes": len(payload),
+        "sha256": hashlib.sha256(payload).hexdigest(),
+        "fingerprint": dict(fingerprint),
+    }
+    store.set(f"{key}/meta", json.dumps(meta))  # type: ignore[attr-defined]
+
+
+def fetch(store: object, key: str, fingerprint: Mapping[str, str]) -> tuple[bytes | None, str]:
+    """The payload published under ``key``, or ``None`` and why it cannot be used here.
+
+    Example:
+        >>> # payload, why = fetch(store, "distcompile/wrap0/compiles/call1/art/0", compat.build_fingerprint())
+    """
+    if not store.check([f"{key}/meta"]):  # type: ignore[attr-defined]
+        return None, "nothing was published (its compile or its packing failed)"
+    meta = json.loads(store.get(f"{key}/meta"))  # type: ignore[attr-defined]
+    theirs = meta.get("fingerprint", {})
+    differ = sorted(k for k in {**theirs, **fingerprint} if theirs.get(k) != fingerprint.get(k))
+    if differ:
+        what = ", ".join(f"{k} {theirs.get(k)!r} there, {fingerprint.get(k)!r} here" for k in differ)
+        return None, f"built with another setup ({what})"
+    payload = b"".join(store.get(f"{key}/{i}") for i in range(meta["chunks"]))  # type: ignore[attr-defined]
+    if hashlib.sha256(payload).hexdigest() != meta["sha256"]:
+        return None, f"its {len(payload)} bytes do not match the hash published with them"
+    return payload, ""
+
+
+def install(payload: bytes) -> int:
+    """Write the container's kernel libraries this folder lacks and load its entries into
+    the compile caches; the number of entries loaded. ``ValueError`` if malformed."""
+    entries, libs = unpack(payload)
+    root = os.path.realpath(compat.inductor_cache_dir())
+    for rel, data in libs.items():
+        path = os.path.realpath(os.path.join(root, rel))
+        if os.path.commonpath([root, path]) != root or not path.endswith(".so"):
+            raise ValueError(f"kernel library path {rel!r} leads outside the cache folder")
+        if os.path.exists(path):
+            continue
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, path)  # atomic: a peer loading it sees all of it or nothing
+    return compat.load_artifacts(entries)

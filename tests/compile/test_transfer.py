@@ -1,0 +1,121 @@
+"""Compiles shared across cache folders through the job's store (Note [Compiles shared across cache folders])."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+
+import pytest
+import torch.distributed as dist
+from torch import fx, nn
+
+from distcompile import _torch_compat as compat
+from distcompile.compile import sharing as sharing_module
+from distcompile.compile import transfer
+from distcompile.compile.sharing import CompileJob, CompileSharing
+from tests import workers
+from tests.harness import run_ranks
+from tests.runtime.test_parity import TOL, _check
+
+_FP = {"torch": "2.13.0", "cpu_isa": "avx2"}
+
+
+def test_a_container_holds_the_entries_and_the_libraries_and_refuses_damage() -> None:
+    blob = transfer.pack(b"entries", {"ab/kab.so": b"lib1", "cd/kcd.so": b"lib2"})
+    assert transfer.unpack(blob) == (b"entries", {"ab/kab.so": b"lib1", "cd/kcd.so": b"lib2"})
+    damaged = blob[:-1] + b"X"  # a library's last byte
+    with pytest.raises(ValueError, match="does not match its hash"):
+        transfer.unpack(damaged)
+    with pytest.raises(ValueError, match="holds 3 bytes more"):
+        transfer.unpack(blob + b"xyz")
+    with pytest.raises(ValueError, match="not a distcompile artifact container"):
+        transfer.unpack(b"\x00" * 8 + b"{}")
+
+
+def test_the_store_carries_a_payload_in_chunks_and_checks_hash_and_fingerprint(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(transfer, "CHUNK_BYTES", 10)
+    store = dist.HashStore()
+    payload = bytes(range(256)) * 3
+    transfer.publish(store, "k", payload, _FP)
+    assert json.loads(store.get("k/meta"))["chunks"] == 77
+    assert transfer.fetch(store, "k", _FP) == (payload, "")
+    got, why = transfer.fetch(store, "k", {**_FP, "cpu_isa": "avx512"})
+    assert got is None and "cpu_isa 'avx2' there, 'avx512' here" in why
+    store.set("k/3", b"0123456789")  # a chunk damaged in transit
+    got, why = transfer.fetch(store, "k", _FP)
+    assert got is None and "do not match the hash" in why
+    assert transfer.fetch(store, "nothing", _FP) == (
+        None,
+        "nothing was published (its compile or its packing failed)",
+    )
+
+
+def test_install_writes_libraries_inside_the_cache_folder_only(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert compat.inductor_cache_dir() == str(tmp_path)
+    transfer.install(transfer.pack(b"", {"ab/kab.so": b"\x7fELF..."}))
+    lib = tmp_path / "ab" / "kab.so"
+    assert lib.read_bytes() == b"\x7fELF..." and os.access(lib, os.X_OK)
+    for bad in ("../evil.so", "ab/notalib.py"):
+        with pytest.raises(ValueError, match="outside the cache folder"):
+            transfer.install(transfer.pack(b"", {bad: b"x"}))
+    assert not (tmp_path.parent / "evil.so").exists()
+
+
+def _sharing(store: dist.Store, rank: int) -> CompileSharing:
+    s = CompileSharing(lambda: store, "t", rank=rank, ranks=(0, 1), timeout_s=0.2)
+    s.peers, s.folders = (rank,), {0: 0, 1: 1}  # as find_peers finds two folders
+    return s
+
+
+def _jobs() -> list[CompileJob]:
+    big = fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)))
+    return [CompileJob(big, [], "big"), CompileJob(fx.symbolic_trace(nn.ReLU()), [], "small")]
+
+
+def test_pieces_a_peer_published_badly_are_compiled_here(caplog) -> None:  # noqa: ANN001
+    store = dist.HashStore()
+    transfer.publish(store, "t/g/art/1", b"not a container", compat.build_fingerprint())
+    store.set("t/g/art/1/ready", "1")
+    jobs = _jobs()
+    compiled: list[str] = []
+    with caplog.at_level(logging.WARNING):
+        out = _sharing(store, 0).compile_all(
+            jobs, compile_one=lambda j: compiled.append(j.key) or j.key, graph="g"
+        )
+    assert out == ["big", "small"] and compiled == ["big", "small"]  # its own share, then rank 1's
+    assert (
+        "not loading rank 1's compiled pieces: ValueError: not a distcompile artifact container"
+        in caplog.text
+    )
+
+
+def test_a_peer_of_another_folder_that_never_publishes_is_not_waited_for_forever(caplog, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(sharing_module, "PEER_WAIT_S", 0.5)
+    jobs = _jobs()
+    with caplog.at_level(logging.INFO):
+        out = _sharing(dist.HashStore(), 0).compile_all(jobs, compile_one=lambda j: j.key, graph="g")
+    assert out == ["big", "small"]
+    assert "rank 1 did not finish its share of the compiles" in caplog.text
+    assert "nothing was published" in caplog.text
+
+
+@pytest.mark.slow
+def test_ranks_with_separate_folders_compile_each_piece_once() -> None:
+    """2 ranks, each with an empty cache folder of its own (no shared filesystem): each piece
+    is compiled once in the job, the other rank loads it through the store, and training
+    matches eager DDP."""
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        results = run_ranks(workers.shared_compile, 2, [a, b], timeout=900)
+        libs = [sorted(f for _, _, fs in os.walk(d) for f in fs if f.endswith(".so")) for d in (a, b)]
+    _check(results, TOL["inductor"])
+    jobs = sum(p - r for p, r in zip(results[0]["pieces"], results[0]["pieces_reused"]))
+    compiled = [r["aot_compiled"] for r in results]
+    assert jobs >= 2 and sum(compiled) == jobs and min(compiled) >= 1, (jobs, compiled)
+    assert [r["aot_hits"] for r in results] == [jobs - c for c in compiled]
+    for r, c in zip(results, compiled):
+        line = next(x for x in r["log"] if "pieces:" in x)
+        assert f"{c} compiled here" in line and f"{jobs - c} from other-folder peers" in line, line
+    assert libs[0] and set(libs[0]) & set(libs[1]), libs  # C++ kernels travelled too
