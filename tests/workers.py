@@ -530,7 +530,11 @@ def shared_compile(rank: int, world: int, cache_dir: str | list[str]) -> dict:
     after = distcompile._torch_compat.aot_autograd_counts()
     result["aot_hits"] = after[1] - before[1]
     result["aot_compiled"] = after[0] - before[0] - result["aot_hits"]
-    result["peers"] = len(os.listdir(os.path.join(cache_dir, "distcompile-peers")))
+    # cache_peers' files are gone; what stays: the marker that this folder holds the pieces
+    result["peers"] = len(
+        [f for f in os.listdir(os.path.join(cache_dir, "distcompile-peers")) if not f.startswith("warm-")]
+    )
+    result["warm_markers"] = len(os.listdir(os.path.join(cache_dir, "distcompile-peers"))) - result["peers"]
     result["log"] = lines
     return result
 

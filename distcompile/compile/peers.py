@@ -11,7 +11,7 @@ from datetime import timedelta
 
 from .. import _torch_compat as compat
 
-__all__ = ["cache_peers", "folder_of"]
+__all__ = ["cache_peers", "folder_of", "touch", "warm_marker", "warm_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -79,3 +79,55 @@ def cache_peers(
         if mine:
             os.remove(mine)
     return seen or (rank,)
+
+
+def warm_marker(digest: str) -> str:
+    """The file in Inductor's cache folder that says it holds the compiled pieces named ``digest``.
+
+    Example:
+        >>> warm_marker("0123abcd").endswith("distcompile-peers/warm-0123abcd")
+        True
+    """
+    return os.path.join(compat.inductor_cache_dir(), "distcompile-peers", f"warm-{digest}")
+
+
+def touch(path: str) -> None:
+    """Create ``path`` (and its folder) if it can; a read-only folder is only slower next time."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        log.debug("cannot write %s: %s", path, exc)
+
+
+def warm_ranks(
+    store: object, prefix: str, *, rank: int, ranks: Sequence[int], marker: str, timeout_s: float
+) -> tuple[int, ...]:
+    """The ranks of ``ranks`` whose folder holds the pieces (``marker`` exists there), or all of
+    them when none or every one does (collective over ``ranks``).
+
+    After a restart on a fresh node, the warm ranks load the pieces from their caches and
+    publish them; the cold ones compile nothing (Note [Compiles shared across cache folders]).
+
+    Example:
+        >>> # warm_ranks(default_store(), "distcompile/wrap0/compiles/call1/warm", rank=0, ranks=(0, 1), marker=m, timeout_s=60)
+    """
+    try:
+        store.set(f"{prefix}/{rank}", "1" if os.path.exists(marker) else "0")  # type: ignore[attr-defined]
+        store.wait([f"{prefix}/{r}" for r in ranks], timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
+        warm = tuple(r for r in ranks if store.get(f"{prefix}/{r}") == b"1")  # type: ignore[attr-defined]
+    except Exception as exc:  # noqa: BLE001 - the store's timeout error type differs across versions
+        log.warning(
+            "rank %d: could not learn which ranks have warm caches (%s); all share the compiles", rank, exc
+        )
+        return tuple(ranks)
+    if warm and len(warm) < len(ranks):
+        if rank not in warm:
+            log.info(
+                "rank %d: its compile cache is cold; loading the pieces ranks %s compile or hold",
+                rank,
+                list(warm),
+            )
+        return warm
+    return tuple(ranks)

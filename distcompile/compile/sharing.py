@@ -35,6 +35,7 @@ Debugging
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -46,12 +47,13 @@ from torch import fx
 
 from .. import _torch_compat as compat
 from . import transfer
-from .peers import cache_peers, folder_of
+from .peers import cache_peers, folder_of, touch, warm_marker, warm_ranks
 
 __all__ = [
     "CompileJob",
     "CompileSharing",
     "assign",
+    "jobs_digest",
     "cpu_check_order",
     "run_cpu_checks",
     "runs_on_cpu",
@@ -88,6 +90,22 @@ class CompileJob:
     def cost(self) -> int:
         """Operations in the piece: the compile work, roughly."""
         return sum(1 for n in self.module.graph.nodes if n.op not in ("placeholder", "output", "get_attr"))
+
+
+def jobs_digest(jobs: Sequence[CompileJob]) -> str:
+    """A name for a graph's distinct pieces that a restarted job computes alike: their code
+    and the shapes and dtypes of their inputs.
+
+    Example:
+        >>> job = CompileJob(fx.symbolic_trace(torch.nn.ReLU()), [torch.zeros(2)], None)
+        >>> jobs_digest([job]) == jobs_digest([job]), len(jobs_digest([job]))
+        (True, 16)
+    """
+    h = hashlib.sha256()
+    for job in jobs:
+        h.update(job.module.code.encode())
+        h.update(repr([(tuple(a.shape), a.dtype) for a in job.args if isinstance(a, torch.Tensor)]).encode())
+    return h.hexdigest()[:16]
 
 
 def assign(costs: Sequence[int], peers: int) -> list[int]:
@@ -252,11 +270,23 @@ class CompileSharing:
         the store are its own. Under ``compat.eager_backward`` when shared.
         """
         self.find_peers()
-        sharers = self.sharers
+        everyone = sharers = self.sharers
         self.sources = Counter()
+        marker = warm_marker(jobs_digest(jobs))
         if len(sharers) == 1:
-            return [self._compile_here(compile_one, job) for job in jobs]
+            out = [self._compile_here(compile_one, job) for job in jobs]
+            touch(marker)
+            return out
         store = self._store()
+        if len({self.folders.get(r) for r in sharers}) > 1:  # cold folders load from warm ones
+            sharers = warm_ranks(
+                store,
+                f"{self.prefix}/{graph}/warm",
+                rank=self.rank,
+                ranks=sharers,
+                marker=marker,
+                timeout_s=self.timeout_s,
+            )
         # By position: every rank has the same jobs (the graphs agree); piece keys name
         # objects by their id, which differs between ranks.
         done = [f"{self.prefix}/{graph}/{len(jobs)}/{j}" for j in range(len(jobs))]
@@ -265,7 +295,7 @@ class CompileSharing:
         out: list = [None] * len(jobs)
         if runs_on_cpu(a for job in jobs for a in job.args):
             # Inductor's one-time CPU checks come before its first C++ kernel: split them too.
-            run_cpu_checks(len(sharers), sharers.index(self.rank))
+            run_cpu_checks(len(everyone), everyone.index(self.rank))
         here = self.folders.get(self.rank)  # None: one folder (peers set by hand)
 
         def same_folder(r: int) -> bool:
@@ -277,7 +307,7 @@ class CompileSharing:
                     out[j] = self._compile_here(compile_one, jobs[j])
                 finally:  # done or failed: the peers stop waiting either way
                     store.set(done[j], str(self.rank))
-            if not all(same_folder(r) for r in sharers):
+            if not all(same_folder(r) for r in everyone) and self.rank in sharers:
                 self._publish(store, f"{self.prefix}/{graph}/art/{self.rank}")
             loaded: set[int] = set()
             for j in (j for j in range(len(jobs)) if j not in mine):
@@ -293,6 +323,7 @@ class CompileSharing:
                     continue
                 out[j] = compile_one(jobs[j])
         log.debug("rank %d: pieces of %s: %s; peers %s", self.rank, graph, dict(self.sources), sharers)
+        touch(marker)
         return out
 
     def describe_sources(self) -> str:

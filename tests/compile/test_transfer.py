@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -119,3 +120,21 @@ def test_ranks_with_separate_folders_compile_each_piece_once() -> None:
         line = next(x for x in r["log"] if "pieces:" in x)
         assert f"{c} compiled here" in line and f"{jobs - c} from other-folder peers" in line, line
     assert libs[0] and set(libs[0]) & set(libs[1]), libs  # C++ kernels travelled too
+
+
+@pytest.mark.long  # two runs of the job (about a minute); CI runs it after the README's command
+def test_after_a_restart_a_rank_whose_folder_was_emptied_loads_everything() -> None:
+    """The job ran once (both folders warm); then one folder is emptied, as on a replacement
+    node: at the restart that rank compiles nothing, the warm rank loads its cache and
+    publishes every piece."""
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        run_ranks(workers.shared_compile, 2, [a, b], timeout=900)
+        shutil.rmtree(b)
+        os.makedirs(b)
+        results = run_ranks(workers.shared_compile, 2, [a, b], timeout=900)
+    _check(results, TOL["inductor"])
+    jobs = sum(p - r for p, r in zip(results[0]["pieces"], results[0]["pieces_reused"]))
+    assert [r["aot_compiled"] for r in results] == [0, 0], [r["aot_compiled"] for r in results]
+    lines = [next(x for x in r["log"] if "pieces:" in x) for r in results]
+    assert f"{jobs} from the cache" in lines[0] and f"{jobs} from other-folder peers" in lines[1], lines
+    assert any("its compile cache is cold" in x for x in results[1]["log"]), results[1]["log"]
