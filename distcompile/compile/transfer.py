@@ -39,7 +39,7 @@ from collections.abc import Mapping
 
 from .. import _torch_compat as compat
 
-__all__ = ["CHUNK_BYTES", "collect", "fetch", "install", "pack", "publish", "unpack"]
+__all__ = ["CHUNK_BYTES", "collect", "fetch", "install", "pack", "publish", "seal", "unpack", "unseal"]
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +115,56 @@ def publish(store: object, key: str, payload: bytes, fingerprint: Mapping[str, s
     chunks = [payload[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)]
     for i, chunk in enumerate(chunks):
         store.set(f"{key}/{i}", chunk)  # type: ignore[attr-defined]
-    meta = {
-        "chunks": len(chunks),
-        "bytes": len(payload),
-        "sha256": hashlib.sha256(payload).hexdigest(),
-        "fingerprint": dict(fingerprint),
-    }
-    store.set(f"{key}/meta", json.dumps(meta))  # type: ignore[attr-defined]
+    store.set(f"{key}/meta", _meta(payload, fingerprint, len(chunks)))  # type: ignore[attr-defined]
+
+
+def _describe(meta: Mapping, payload: bytes, fingerprint: Mapping[str, str]) -> str:
+    """Why ``payload`` with its metadata ``meta`` cannot be used here ("" when it can)."""
+    theirs = meta.get("fingerprint", {})
+    differ = sorted(k for k in {**theirs, **fingerprint} if theirs.get(k) != fingerprint.get(k))
+    if differ:
+        what = ", ".join(f"{k} {theirs.get(k)!r} there, {fingerprint.get(k)!r} here" for k in differ)
+        return f"built with another setup ({what})"
+    if hashlib.sha256(payload).hexdigest() != meta.get("sha256"):
+        return f"its {len(payload)} bytes do not match the hash published with them"
+    return ""
+
+
+def _meta(payload: bytes, fingerprint: Mapping[str, str], chunks: int) -> str:
+    return json.dumps(
+        {
+            "chunks": chunks,
+            "bytes": len(payload),
+            "sha256": hashlib.sha256(payload).hexdigest(),
+            "fingerprint": dict(fingerprint),
+        }
+    )
+
+
+def seal(payload: bytes, fingerprint: Mapping[str, str]) -> bytes:
+    """``payload`` with its hash and fingerprint in front, for a file (``unseal`` reads it).
+
+    Example:
+        >>> unseal(seal(b"abc", {"torch": "2.13"}), {"torch": "2.13"})
+        (b'abc', '')
+    """
+    return _meta(payload, fingerprint, 1).encode() + b"\n" + payload
+
+
+def unseal(blob: bytes, fingerprint: Mapping[str, str]) -> tuple[bytes | None, str]:
+    """The payload :func:`seal` wrote, or ``None`` and why it cannot be used here.
+
+    Example:
+        >>> unseal(seal(b"abc", {"torch": "2.13"}), {"torch": "2.15"})[1]
+        "built with another setup (torch '2.13' there, '2.15' here)"
+    """
+    head, _, payload = blob.partition(b"\n")
+    try:
+        meta = json.loads(head)
+    except ValueError:
+        return None, "not a distcompile compile-artifacts file"
+    why = _describe(meta, payload, fingerprint)
+    return (None, why) if why else (payload, "")
 
 
 def fetch(store: object, key: str, fingerprint: Mapping[str, str]) -> tuple[bytes | None, str]:
@@ -133,15 +176,11 @@ def fetch(store: object, key: str, fingerprint: Mapping[str, str]) -> tuple[byte
     if not store.check([f"{key}/meta"]):  # type: ignore[attr-defined]
         return None, "nothing was published (its compile or its packing failed)"
     meta = json.loads(store.get(f"{key}/meta"))  # type: ignore[attr-defined]
-    theirs = meta.get("fingerprint", {})
-    differ = sorted(k for k in {**theirs, **fingerprint} if theirs.get(k) != fingerprint.get(k))
-    if differ:
-        what = ", ".join(f"{k} {theirs.get(k)!r} there, {fingerprint.get(k)!r} here" for k in differ)
-        return None, f"built with another setup ({what})"
+    if _describe(meta, b"", fingerprint).startswith("built with"):  # before fetching the bytes
+        return None, _describe(meta, b"", fingerprint)
     payload = b"".join(store.get(f"{key}/{i}") for i in range(meta["chunks"]))  # type: ignore[attr-defined]
-    if hashlib.sha256(payload).hexdigest() != meta["sha256"]:
-        return None, f"its {len(payload)} bytes do not match the hash published with them"
-    return payload, ""
+    why = _describe(meta, payload, fingerprint)
+    return (None, why) if why else (payload, "")
 
 
 def install(payload: bytes) -> int:

@@ -4,6 +4,12 @@ One file per checkpoint, ``step-{step:08d}.pt``, written by rank 0 to a temporar
 flushed to disk (``fsync``), then renamed into place (atomic on POSIX), and the directory
 synced. Every rank's RNG state travels in the same file, so a resumed run draws the same
 random numbers as an uninterrupted one.
+
+With ``compile_artifacts=True`` rank 0 also writes ``step-{step:08d}.compile``, the same
+way: its process's compile-cache entries and C++ kernel libraries (Note [Compiles shared
+across cache folders]) under a hash and a build fingerprint. ``load_checkpoint`` installs
+them into each rank's cache folder when they fit this machine, so a job resumed on fresh
+nodes finds its compiled pieces in the cache.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ import re
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .. import _torch_compat as compat
+from ..compile import transfer
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "rng_state", "set_rng_state"]
 
@@ -67,14 +76,18 @@ def save_checkpoint(
     step: int,
     extra: dict | None = None,
     keep: int = 3,
+    compile_artifacts: bool = False,
 ) -> str | None:
     """Save model, optimizer, step, every rank's RNG state and ``extra``; keep the last ``keep``.
 
     Call it on every rank at the same step (it gathers the RNG states); rank 0 writes.
-    Returns the path on rank 0, ``None`` elsewhere.
+    Returns the path on rank 0, ``None`` elsewhere. ``compile_artifacts=True`` also writes
+    rank 0's compiled pieces beside it (``step-*.compile``), which ``load_checkpoint``
+    installs: a job resumed on nodes with empty compile caches starts warm.
 
     Example:
         >>> # save_checkpoint("ckpt", model=model, optimizer=opt, step=step, extra={"epoch": 3})
+        >>> # save_checkpoint("ckpt", model=model, optimizer=opt, step=step, compile_artifacts=True)
     """
     if keep < 1:
         raise ValueError(f"keep={keep!r} must be >= 1: the newest checkpoint is never deleted.")
@@ -87,7 +100,6 @@ def save_checkpoint(
         return None
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"step-{step:08d}.pt")
-    tmp = f"{path}.tmp-{os.getpid()}"
     payload = {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
@@ -96,11 +108,12 @@ def save_checkpoint(
         "world_size": len(rng),
         "extra": extra or {},
     }
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _write_atomically(path, lambda f: torch.save(payload, f))
+    if compile_artifacts:
+        pieces = transfer.collect()
+        sealed = transfer.seal(pieces, compat.build_fingerprint())
+        _write_atomically(_artifacts_path(path), lambda f: f.write(sealed))
+        log.info("compiled pieces written beside it: %.1f MB", len(sealed) / 1e6)
     _fsync_dir(directory)
     older = sorted(
         (p for p in glob.glob(os.path.join(directory, "step-*.pt")) if _NAME.search(p)),
@@ -108,8 +121,40 @@ def save_checkpoint(
     )
     for old in older[:-keep]:
         os.remove(old)
+        if os.path.exists(_artifacts_path(old)):
+            os.remove(_artifacts_path(old))
     log.info("checkpoint written: %s", path)
     return path
+
+
+def _artifacts_path(checkpoint: str) -> str:
+    return checkpoint[: -len(".pt")] + ".compile"
+
+
+def _write_atomically(path: str, write: object) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)  # type: ignore[operator]
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _install_artifacts(checkpoint: str) -> None:
+    """Install the compiled pieces saved beside ``checkpoint``, if any and if they fit here."""
+    path = _artifacts_path(checkpoint)
+    if not os.path.exists(path):
+        return
+    with open(path, "rb") as f:
+        payload, why = transfer.unseal(f.read(), compat.build_fingerprint())
+    try:
+        if payload is not None:
+            n = transfer.install(payload) if payload else 0
+            log.info("compiled pieces from %s installed in the compile cache (%d entries)", path, n)
+            return
+    except Exception as exc:  # noqa: BLE001 - the pieces are compiled instead, never wrong
+        why = f"{type(exc).__name__}: {exc}"
+    log.warning("compiled pieces in %s not installed: %s; the first step compiles them", path, why)
 
 
 def _match_prefix(state: dict, model: nn.Module) -> dict:
@@ -182,5 +227,6 @@ def load_checkpoint(
             payload["world_size"],
             world,
         )
+    _install_artifacts(path)
     log.info("resumed from %s (step %d)", path, payload["step"])
     return {"step": payload["step"], "extra": payload["extra"], "path": path}

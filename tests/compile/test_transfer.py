@@ -16,7 +16,7 @@ from distcompile import _torch_compat as compat
 from distcompile.compile import sharing as sharing_module
 from distcompile.compile import transfer
 from distcompile.compile.sharing import CompileJob, CompileSharing
-from tests import workers
+from tests import artifact_workers, workers
 from tests.harness import run_ranks
 from tests.runtime.test_parity import TOL, _check
 
@@ -138,3 +138,37 @@ def test_after_a_restart_a_rank_whose_folder_was_emptied_loads_everything() -> N
     lines = [next(x for x in r["log"] if "pieces:" in x) for r in results]
     assert f"{jobs} from the cache" in lines[0] and f"{jobs} from other-folder peers" in lines[1], lines
     assert any("its compile cache is cold" in x for x in results[1]["log"]), results[1]["log"]
+
+
+@pytest.mark.long  # two runs of the job; CI runs it after the README's command
+def test_a_job_resumed_on_empty_caches_installs_the_pieces_saved_with_its_checkpoint() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        shared, fresh = os.path.join(tmp, "node"), [os.path.join(tmp, f"fresh{r}") for r in (0, 1)]
+        ckpt = os.path.join(tmp, "ckpt")
+        trained = run_ranks(artifact_workers.train_or_resume, 2, [shared, shared], ckpt, "train", timeout=900)
+        assert sorted(os.listdir(ckpt)) == ["step-00000001.compile", "step-00000001.pt"]
+        resumed = run_ranks(artifact_workers.train_or_resume, 2, fresh, ckpt, "resume", timeout=900)
+    assert sum(r["compiled"] for r in trained) >= 2
+    assert [r["compiled"] for r in resumed] == [0, 0], [r["compiled"] for r in resumed]  # all from the cache
+    assert all(r["hits"] >= 2 for r in resumed)
+    for t, r in zip(trained, resumed):  # the resumed step is the uninterrupted run's step 2
+        assert abs(t["last_loss"] - r["last_loss"]) <= 1e-5 * abs(t["last_loss"]), (
+            t["last_loss"],
+            r["last_loss"],
+        )
+        assert any("installed in the compile cache" in x for x in r["log"]), r["log"]
+
+
+def test_pieces_saved_on_another_setup_are_not_installed(tmp_path, monkeypatch, caplog) -> None:  # noqa: ANN001
+    from torch import nn as torch_nn
+
+    import distcompile
+
+    model = torch_nn.Linear(2, 2)
+    distcompile.save_checkpoint(str(tmp_path), model=model, optimizer=None, step=0, compile_artifacts=True)
+    assert (tmp_path / "step-00000000.compile").exists()
+    real = compat.build_fingerprint
+    monkeypatch.setattr(compat, "build_fingerprint", lambda: {**real(), "torch": "9.9.9"})
+    with caplog.at_level(logging.INFO):
+        distcompile.load_checkpoint(str(tmp_path), model=model)
+    assert "not installed: built with another setup (torch" in caplog.text
