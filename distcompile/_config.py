@@ -64,6 +64,11 @@ class Config:
             tail by the rows looked up, when cheaper (Note [Shared weights reduced by
             use]). Off under a communication hook and with CUDA graphs (``cudagraphs``,
             ``mode="reduce-overhead"``). ``False``: one reduction per parameter, as DDP.
+        share_compiles: Split each graph's distinct pieces between the ranks, each compiled
+            once in the job: through Inductor's cache folder for ranks that share one,
+            through the job's store for the others (Note [Sharing compiles between
+            ranks], Note [Compiles shared across cache folders]). ``False``: every rank
+            compiles every piece itself. Inductor only.
         regions: Trace each class of repeated block once (the layers of an
             ``nn.ModuleList`` or ``nn.Sequential``, as TorchDynamo's nested compile
             regions) and copy that trace for the other blocks whose inputs and guards
@@ -118,6 +123,7 @@ class Config:
     dynamic: bool | None = None
     cudagraphs: bool = False
     split_shared: bool = True
+    share_compiles: bool = True
     regions: bool = True
     recompile: str = "allow"
     check_params: bool = True

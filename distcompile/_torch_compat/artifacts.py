@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from .dynamo import inductor_cache_dir
+from .dynamo import ISA_LIBRARIES, inductor_cache_dir
 
 __all__ = ["build_fingerprint", "kernel_libraries", "load_artifacts", "save_artifacts"]
 
@@ -73,7 +73,8 @@ def _code_caches() -> list[type]:
 
 def kernel_libraries() -> list[str]:
     """Paths, relative to Inductor's cache folder, of the C++ kernel libraries this process
-    has loaded (``[]`` where torch keeps them elsewhere).
+    has loaded and of the libraries of Inductor's CPU checks it ran (``[]`` where torch
+    keeps them elsewhere).
 
     Example:
         >>> isinstance(kernel_libraries(), list)
@@ -84,7 +85,10 @@ def kernel_libraries() -> list[str]:
         k for cls in _code_caches() for k in getattr(cls, "cache", {}) if isinstance(k, str) and len(k) > 3
     }
     paths = {p for k in keys for p in glob.glob(os.path.join(root, k[1:3], glob.escape(k) + "*.so"))}
-    return sorted(os.path.relpath(p, root) for p in paths)
+    paths |= {p for p in ISA_LIBRARIES if os.path.isfile(p)}  # the CPU checks' (run_cpu_isa_check)
+    real = os.path.realpath(root)
+    inside = [p for p in paths if os.path.commonpath([real, os.path.realpath(p)]) == real]
+    return sorted(os.path.relpath(os.path.realpath(p), real) for p in inside)
 
 
 def build_fingerprint() -> dict[str, str]:
@@ -102,12 +106,9 @@ def build_fingerprint() -> dict[str, str]:
         "machine": platform.machine(),
         "cuda": str(torch.version.cuda),
     }
-    try:
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-        out["cpu_isa"] = str(pick_vec_isa())
-    except Exception:  # noqa: BLE001 - older layouts: the kernels' own keys still name the ISA
-        out["cpu_isa"] = ""
+    # ATen's view of the vector instructions (Inductor's own pick would build its check
+    # libraries first: seconds on a fresh cache folder); the kernels' keys name theirs too.
+    out["cpu_isa"] = torch.backends.cpu.get_cpu_capability()
     try:
         from torch._inductor.cpp_builder import get_cpp_compiler
 

@@ -269,6 +269,10 @@ def cpu_isa_checks() -> list:
         return []
 
 
+#: The libraries :func:`run_cpu_isa_check` found built (``kernel_libraries`` ships them too).
+ISA_LIBRARIES: set[str] = set()
+
+
 def run_cpu_isa_check(isa: object) -> bool:
     """Run the checks of one item of :func:`cpu_isa_checks`; whether the set works.
 
@@ -290,6 +294,7 @@ def run_cpu_isa_check(isa: object) -> bool:
         return bool(isa)
 
     def load(path: str) -> bool:
+        ISA_LIBRARIES.add(path)
         marker = path + ".load_ok"
         if os.path.isfile(marker):
             return True

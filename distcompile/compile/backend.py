@@ -136,7 +136,9 @@ class GraphCompiler:
             rank=target.rank,
             ranks=target.ranks,
             timeout_s=config.desync_timeout_s,
-            enabled=config.backend == "inductor" and compat.compile_caches_enabled(),
+            enabled=config.share_compiles
+            and config.backend == "inductor"
+            and compat.compile_caches_enabled(),
         )
         self._together = True
         # A part's gradient is held until its bucket launches: not from CUDA-graph memory,
@@ -206,6 +208,7 @@ class GraphCompiler:
                 planned_by=planned_by,
                 pieces_reused=reused,
                 split=split,
+                piece_sources=dict(self._sharing.sources) if together else {},
             )
             compiled = self._record(record, compiled, t0)
             if self.lockstep.ended_at(

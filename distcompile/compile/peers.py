@@ -104,8 +104,8 @@ def touch(path: str) -> None:
 def warm_ranks(
     store: object, prefix: str, *, rank: int, ranks: Sequence[int], marker: str, timeout_s: float
 ) -> tuple[int, ...]:
-    """The ranks of ``ranks`` whose folder holds the pieces (``marker`` exists there), or all of
-    them when none or every one does (collective over ``ranks``).
+    """The ranks of ``ranks`` whose folder holds the pieces (``marker`` exists there)
+    (collective over ``ranks``; all of them, each compiling alone, when the others cannot be heard).
 
     After a restart on a fresh node, the warm ranks load the pieces from their caches and
     publish them; the cold ones compile nothing (Note [Compiles shared across cache folders]).
@@ -119,15 +119,11 @@ def warm_ranks(
         warm = tuple(r for r in ranks if store.get(f"{prefix}/{r}") == b"1")  # type: ignore[attr-defined]
     except Exception as exc:  # noqa: BLE001 - the store's timeout error type differs across versions
         log.warning(
-            "rank %d: could not learn which ranks have warm caches (%s); all share the compiles", rank, exc
+            "rank %d: could not learn which ranks have warm caches (%s); compiling every piece here",
+            rank,
+            exc,
         )
         return tuple(ranks)
-    if warm and len(warm) < len(ranks):
-        if rank not in warm:
-            log.info(
-                "rank %d: its compile cache is cold; loading the pieces ranks %s compile or hold",
-                rank,
-                list(warm),
-            )
-        return warm
-    return tuple(ranks)
+    if warm and len(warm) < len(ranks) and rank not in warm:
+        log.info("rank %d: its compile cache is cold; loading the pieces ranks %s hold", rank, list(warm))
+    return warm

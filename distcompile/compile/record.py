@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..planning.plan import Plan
 from ..planning.split import SplitPlan
@@ -33,6 +33,9 @@ class GraphRecord:
             identical earlier piece (a repeated block) instead of being compiled.
         split: Shared parameters whose uses are reduced apart, and embedding tables reduced
             by rows (Note [Shared weights reduced by use]).
+        piece_sources: Where this rank's distinct pieces came from when the ranks shared
+            the compiles: ``compiled here``, ``cache``, ``same-folder peer``,
+            ``other-folder peer`` -> count (Note [Compiles shared across cache folders]).
     """
 
     graph_id: int
@@ -46,6 +49,7 @@ class GraphRecord:
     planned_by: str = ""
     pieces_reused: int = 0
     split: SplitPlan = SplitPlan()
+    piece_sources: dict[str, int] = field(default_factory=dict)
 
     @property
     def recompile_reason(self) -> str | None:

@@ -50,6 +50,7 @@ from . import transfer
 from .peers import cache_peers, folder_of, touch, warm_marker, warm_ranks
 
 __all__ = [
+    "SOURCES",
     "CompileJob",
     "CompileSharing",
     "assign",
@@ -60,6 +61,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: Where a rank's pieces come from when the ranks share the compiles.
+SOURCES = ("compiled here", "cache", "same-folder peer", "other-folder peer")
 
 #: Seconds a rank waits at least for a peer's share of the compiles.
 PEER_WAIT_S = 600.0
@@ -278,8 +282,9 @@ class CompileSharing:
             touch(marker)
             return out
         store = self._store()
+        warm: tuple[int, ...] = ()
         if len({self.folders.get(r) for r in sharers}) > 1:  # cold folders load from warm ones
-            sharers = warm_ranks(
+            warm = warm_ranks(
                 store,
                 f"{self.prefix}/{graph}/warm",
                 rank=self.rank,
@@ -290,16 +295,26 @@ class CompileSharing:
         # By position: every rank has the same jobs (the graphs agree); piece keys name
         # objects by their id, which differs between ranks.
         done = [f"{self.prefix}/{graph}/{len(jobs)}/{j}" for j in range(len(jobs))]
-        owner = [sharers[o] for o in assign([job.cost if job.shareable else 0 for job in jobs], len(sharers))]
+        owner = self._owners(jobs, sharers, warm)
         mine = [j for j, job in enumerate(jobs) if owner[j] == self.rank or not job.shareable]
         out: list = [None] * len(jobs)
-        if runs_on_cpu(a for job in jobs for a in job.args):
-            # Inductor's one-time CPU checks come before its first C++ kernel: split them too.
-            run_cpu_checks(len(everyone), everyone.index(self.rank))
         here = self.folders.get(self.rank)  # None: one folder (peers set by hand)
 
         def same_folder(r: int) -> bool:
             return here is None or self.folders.get(r) == here
+
+        got: dict[int, bool] = {}  # other-folder peers whose pieces were (or failed to be) installed
+
+        def load(peer: int) -> bool:
+            if peer not in got:
+                got[peer] = self._load_from(store, peer, graph)
+            return got[peer]
+
+        if runs_on_cpu(a for job in jobs for a in job.args):
+            if warm and self.rank not in warm:  # a cold folder: the warm rank's CPU-check libraries too
+                load(owner[0])
+            # Inductor's one-time CPU checks come before its first C++ kernel: split them too.
+            run_cpu_checks(len(everyone), everyone.index(self.rank))
 
         with compat.eager_backward():
             for j in mine:
@@ -307,16 +322,18 @@ class CompileSharing:
                     out[j] = self._compile_here(compile_one, jobs[j])
                 finally:  # done or failed: the peers stop waiting either way
                     store.set(done[j], str(self.rank))
-            if not all(same_folder(r) for r in everyone) and self.rank in sharers:
+            if (
+                not all(same_folder(r) for r in everyone)
+                and (not warm or self.rank in warm)
+                and len(warm) < len(everyone)
+            ):
                 self._publish(store, f"{self.prefix}/{graph}/art/{self.rank}")
-            loaded: set[int] = set()
             for j in (j for j in range(len(jobs)) if j not in mine):
                 peer = owner[j]
                 if same_folder(peer):
                     self._wait_for(store, done[j], peer, graph)
                     self.sources["same-folder peer"] += 1
-                elif peer in loaded or self._load_from(store, peer, graph):
-                    loaded.add(peer)
+                elif load(peer):
                     self.sources["other-folder peer"] += 1
                 else:
                     out[j] = self._compile_here(compile_one, jobs[j])
@@ -325,6 +342,16 @@ class CompileSharing:
         log.debug("rank %d: pieces of %s: %s; peers %s", self.rank, graph, dict(self.sources), sharers)
         touch(marker)
         return out
+
+    def _owners(self, jobs: Sequence[CompileJob], sharers: Sequence[int], warm: Sequence[int]) -> list[int]:
+        """Who compiles each job: split between ``sharers``; when some folders are warm, every
+        warm rank loads all of them from its cache and each cold rank takes them from one."""
+        if warm and self.rank in warm:
+            return [self.rank] * len(jobs)
+        if warm:
+            cold = [r for r in sharers if r not in warm]
+            return [warm[cold.index(self.rank) % len(warm)]] * len(jobs)
+        return [sharers[o] for o in assign([job.cost if job.shareable else 0 for job in jobs], len(sharers))]
 
     def describe_sources(self) -> str:
         """Where the last compile's pieces came from, for the compile log line.

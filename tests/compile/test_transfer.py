@@ -53,8 +53,8 @@ def test_the_store_carries_a_payload_in_chunks_and_checks_hash_and_fingerprint(m
     )
 
 
-def test_install_writes_libraries_inside_the_cache_folder_only(monkeypatch, tmp_path) -> None:  # noqa: ANN001
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+def test_install_writes_libraries_inside_the_cache_folder_only(tmp_path) -> None:  # noqa: ANN001
+    tmp_path = tmp_path / "inductor"
     assert compat.inductor_cache_dir() == str(tmp_path)
     transfer.install(transfer.pack(b"", {"ab/kab.so": b"\x7fELF..."}))
     lib = tmp_path / "ab" / "kab.so"
@@ -65,9 +65,16 @@ def test_install_writes_libraries_inside_the_cache_folder_only(monkeypatch, tmp_
     assert not (tmp_path.parent / "evil.so").exists()
 
 
+@pytest.fixture(autouse=True)
+def _own_cache_folder(monkeypatch, tmp_path) -> None:  # noqa: ANN001, PT004
+    # compile_all leaves a marker in the cache folder (warm_marker): not in the user's.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+
 def _sharing(store: dist.Store, rank: int) -> CompileSharing:
     s = CompileSharing(lambda: store, "t", rank=rank, ranks=(0, 1), timeout_s=0.2)
     s.peers, s.folders = (rank,), {0: 0, 1: 1}  # as find_peers finds two folders
+    store.set(f"t/g/warm/{1 - rank}", "0")  # the other rank's folder is cold too
     return s
 
 
@@ -172,3 +179,14 @@ def test_pieces_saved_on_another_setup_are_not_installed(tmp_path, monkeypatch, 
     with caplog.at_level(logging.INFO):
         distcompile.load_checkpoint(str(tmp_path), model=model)
     assert "not installed: built with another setup (torch" in caplog.text
+
+
+def test_warm_ranks_load_everything_and_cold_ones_take_it_from_a_warm_one() -> None:
+    jobs = _jobs()
+    cold0 = _sharing(dist.HashStore(), 0)
+    assert cold0._owners(jobs, (0, 1), ()) == [0, 1]  # all cold: split, largest first
+    assert cold0._owners(jobs, (0, 1), (1,)) == [1, 1]  # rank 0 cold: everything from rank 1
+    assert cold0._owners(jobs, (0, 1), (0,)) == [0, 0]  # rank 0 warm: everything from its cache
+    assert cold0._owners(jobs, (0, 1), (0, 1)) == [0, 0]  # all warm: nothing travels
+    four = CompileSharing(lambda: None, "t", rank=3, ranks=(0, 1, 2, 3), timeout_s=1)
+    assert four._owners(jobs, (0, 1, 2, 3), (0, 2)) == [2, 2]  # cold ranks 1, 3 spread over 0, 2

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from .netns import can_make_namespaces, veth_pair
 from .report import report_markdown, table, write_results
 from .scaling import SCALING_DEFAULT, run_scaling
+from .sharing import run_sharing
 from .variants import CPU_DEFAULT, CUDA_DEFAULT, CUDA_ONLY, SHARED_GPU_DEFAULT, VARIANTS
 
 __all__ = ["main"]
@@ -94,12 +95,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(args: argparse.Namespace, extra: list[str], net: tuple | None, cache_dir: str, out: str) -> None:
+def _launch(
+    args: argparse.Namespace, extra: list[str], net: tuple | None, cache_dir: str | list[str], out: str
+) -> None:
     port = _free_port() if net is None else 29533
     master = "127.0.0.1" if net is None else net[2][0]
     procs = []
     for rank in range(args.world):
-        env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
+        cache = cache_dir if isinstance(cache_dir, str) else cache_dir[rank]  # a folder per rank: a node each
+        env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
         env["GLOO_SOCKET_IFNAME"] = "lo" if net is None else net[1][rank]
         cmd = [
             sys.executable,
@@ -228,6 +232,13 @@ def _parser() -> argparse.ArgumentParser:
         "change, against depth (--depths), each variant alone with its own empty compile cache",
     )
     p.add_argument("--depths", default="2,8,16,32", help="layer counts of the compile-scaling mode")
+    p.add_argument(
+        "--compile-sharing",
+        action="store_true",
+        help="instead of step times: the job's first step with one cache folder per rank (compiles "
+        "shared through the store, or not) against one shared folder, cold, and at a restart with one "
+        "folder emptied against both warm",
+    )
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument(
         "--trace-dir",
@@ -286,6 +297,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.compile_scaling:
         return run_scaling(args, names, _launch, argv if argv is not None else sys.argv[1:])
+    if args.compile_sharing:
+        with _shaped_link(args.link) as net:
+            return run_sharing(
+                args, _launch, net, _link(args, net), argv if argv is not None else sys.argv[1:]
+            )
     common = [
         "--variants",
         ",".join(names),

@@ -33,6 +33,7 @@ VARIANTS = {
     "fsdp_replicate": "fully_shard on a (world, 1) replicate mesh, each block compiled",
     "dc_aot_eager": "distcompile, aot_eager",
     "dc_inductor": "distcompile, inductor",
+    "dc_inductor_noshare": "distcompile, inductor, share_compiles=False (every rank compiles every piece)",
     "dc_cudagraphs": "distcompile, inductor, cudagraphs=True",
     "dc_inductor_bf16": "distcompile, inductor, bf16 compression",
     "dc_auto": "distcompile, inductor, bucket_cap_mb='auto'",
@@ -47,7 +48,8 @@ CUDA_ONLY = ("compile_ddpopt_cg", "dc_cudagraphs")
 CPU_DEFAULT = tuple(
     n
     for n in VARIANTS
-    if n not in CUDA_ONLY and n not in ("compile_noddp", "fsdp_replicate", "dc_auto_nosplit")
+    if n not in CUDA_ONLY
+    and n not in ("compile_noddp", "fsdp_replicate", "dc_auto_nosplit", "dc_inductor_noshare")
 )
 CUDA_DEFAULT = (
     "compile_noddp",
@@ -168,6 +170,7 @@ def _model(w: Workload, name: str) -> torch.nn.Module:
         compression_scope="tail" if name.endswith("tail") else "all",
         cudagraphs=name == "dc_cudagraphs",
         split_shared=not name.endswith("_nosplit"),
+        share_compiles=not name.endswith("_noshare"),
         logdir=tempfile.mkdtemp(prefix=f"dc_{name}_"),
         trace_every=0,
         figure_every=0,

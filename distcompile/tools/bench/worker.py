@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import distcompile
 
+from ...compile.sharing import SOURCES
 from ...telemetry.timeline import mean_figures
 from .floor import measure_floor
 from .gpu import gpu_meta, profile_steps
@@ -114,6 +115,7 @@ def _build_all(w: Workload, names: list[str], results: dict[str, dict]) -> list[
                 "pieces": sum(len(g.plan.pieces) for g in graphs),
                 "pieces_reused": sum(g.pieces_reused for g in graphs),
                 "cache_hits": sum(g.cache_hits for g in graphs),
+                "sources": {k: sum(g.piece_sources.get(k, 0) for g in graphs) for k in SOURCES},
             }
         w.say(f"{name}: first step {first:.2f} s")
         variants.append(v)
