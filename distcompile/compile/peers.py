@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Sequence
 from datetime import timedelta
 
 from .. import _torch_compat as compat
 
-__all__ = ["cache_peers", "folder_of", "touch", "warm_marker", "warm_ranks"]
+__all__ = ["Heartbeat", "assign", "cache_peers", "folder_of", "touch", "warm_marker", "warm_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -127,3 +128,56 @@ def warm_ranks(
     if warm and len(warm) < len(ranks) and rank not in warm:
         log.info("rank %d: its compile cache is cold; loading the pieces ranks %s hold", rank, list(warm))
     return warm
+
+
+def assign(costs: Sequence[int], peers: int) -> list[int]:
+    """Owner (peer index) of each job: largest first, each to the least loaded peer.
+
+    Example:
+        >>> assign([5, 20, 3, 10], 2)
+        [1, 0, 1, 1]
+    """
+    load = [0] * peers
+    owner = [0] * len(costs)
+    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        p = min(range(peers), key=lambda p: (load[p], p))
+        owner[j] = p
+        load[p] += costs[j]
+    return owner
+
+
+class Heartbeat:
+    """While open, a thread adds 1 to ``key`` in the store every ``timeout_s / 4`` (at most
+    every second): peers waiting for this rank's compiles see it is alive.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> store = dist.HashStore()
+        >>> with Heartbeat(store, "beat/0", 60.0):
+        ...     pass
+        >>> int(store.add("beat/0", 0)) >= 1
+        True
+    """
+
+    def __init__(self, store: object, key: str, timeout_s: float) -> None:
+        self._store, self._key = store, key
+        self._every = min(1.0, timeout_s / 4)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="distcompile-heartbeat", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._store.add(self._key, 1)  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+                return
+            if self._stop.wait(self._every):
+                return
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -19,8 +19,9 @@ from torch.fx.passes.split_module import split_module
 from .. import _torch_compat as compat
 from ..capture.graph import CapturedGraph
 from ..planning.plan import Plan
+from .cpu_checks import run_cpu_checks, runs_on_cpu
 from .reuse import backward_order, piece_key
-from .sharing import CompileJob, CompileSharing, run_cpu_checks, runs_on_cpu
+from .sharing import CompileJob, CompileSharing
 
 __all__ = ["inner_compiler", "split_and_compile"]
 

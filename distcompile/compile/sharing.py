@@ -23,9 +23,12 @@ Notes
     AOTAutograd would not cache (``compat.aot_cacheable``) is compiled by every rank.
     Nothing waits forever: a peer's share is waited for as long as Inductor waits for
     another process's compile (``PEER_WAIT_S``, or ``desync_timeout_s`` if longer, with
-    a log line every ``desync_timeout_s``); then this rank compiles the piece itself. A
-    piece the cache does not hand over after all is compiled again here: slower, never
-    wrong, since each rank still compiles or loads every piece it runs.
+    a log line every ``desync_timeout_s``) while the peer shows it is alive (a heartbeat
+    thread counts up in the store while it compiles: ``peers.Heartbeat``), and for
+    ``desync_timeout_s`` once it stops (killed, or its process hung); then this rank
+    compiles the piece itself. A piece the cache does not hand over after all is compiled
+    again here: slower, never wrong, since each rank still compiles or loads every piece
+    it runs.
 
 Debugging
     The compile log line names the ranks that split the compiles and counts cache hits
@@ -38,7 +41,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -47,17 +50,14 @@ from torch import fx
 
 from .. import _torch_compat as compat
 from . import transfer
-from .peers import cache_peers, folder_of, touch, warm_marker, warm_ranks
+from .cpu_checks import run_cpu_checks, runs_on_cpu
+from .peers import Heartbeat, assign, cache_peers, folder_of, touch, warm_marker, warm_ranks
 
 __all__ = [
     "SOURCES",
     "CompileJob",
     "CompileSharing",
-    "assign",
     "jobs_digest",
-    "cpu_check_order",
-    "run_cpu_checks",
-    "runs_on_cpu",
 ]
 
 log = logging.getLogger(__name__)
@@ -110,63 +110,6 @@ def jobs_digest(jobs: Sequence[CompileJob]) -> str:
         h.update(job.module.code.encode())
         h.update(repr([(tuple(a.shape), a.dtype) for a in job.args if isinstance(a, torch.Tensor)]).encode())
     return h.hexdigest()[:16]
-
-
-def assign(costs: Sequence[int], peers: int) -> list[int]:
-    """Owner (peer index) of each job: largest first, each to the least loaded peer.
-
-    Example:
-        >>> assign([5, 20, 3, 10], 2)
-        [1, 0, 1, 1]
-    """
-    load = [0] * peers
-    owner = [0] * len(costs)
-    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
-        p = min(range(peers), key=lambda p: (load[p], p))
-        owner[j] = p
-        load[p] += costs[j]
-    return owner
-
-
-def cpu_check_order(checks: int, npeers: int, me: int) -> list[int]:
-    """The order in which peer ``me`` runs Inductor's ``checks`` one-time CPU checks: its share first.
-
-    The peers split them as they split the compiles, the most extended instruction set
-    (Inductor lists it first, and it runs the checks of the sets it extends too) counting
-    most; after its share a peer runs the others' (built by then, or waits on the lock of
-    the peer building one), so that every process has them all.
-
-    Example:
-        >>> cpu_check_order(4, 2, 0), cpu_check_order(4, 2, 1)
-        ([0, 3, 1, 2], [1, 2, 0, 3])
-    """
-    owner = assign(list(range(checks, 0, -1)), npeers)
-    return sorted(range(checks), key=lambda i: owner[i] != me)
-
-
-def runs_on_cpu(args: Iterable[object]) -> bool:
-    """Whether a compile with these inputs makes C++ kernels: CPU tensors and no others.
-
-    Example:
-        >>> runs_on_cpu([torch.zeros(1), 2]), runs_on_cpu([3])
-        (True, False)
-    """
-    devices = {a.device.type for a in args if isinstance(a, torch.Tensor)}
-    return devices == {"cpu"}
-
-
-def run_cpu_checks(npeers: int = 1, me: int = 0) -> None:
-    """Inductor's one-time CPU checks, peer ``me``'s share first (``cpu_check_order``).
-
-    Run by distcompile rather than inside Inductor's first compile so that peers split
-    them and a warm start loads none of their libraries again (``compat.run_cpu_isa_check``).
-
-    Example:
-        >>> run_cpu_checks()  # alone, in Inductor's order; nothing once run in this process
-    """
-    checks = compat.cpu_isa_checks()
-    for i in cpu_check_order(len(checks), npeers, me):
-        compat.run_cpu_isa_check(checks[i])
 
 
 class CompileSharing:
@@ -239,8 +182,12 @@ class CompileSharing:
         # instead would take about as long. Never forever: a dead peer's piece is then
         # compiled here (and torchrun stops a job whose process died); one that left this
         # compile (abandon) is not waited for.
+        # A peer that stops beating (Heartbeat: killed, or its process hung) is waited for
+        # desync_timeout_s at most.
         left = f"{self.prefix}/{graph}/abandoned/{peer}"
         waited, limit, said = 0.0, max(self.timeout_s, PEER_WAIT_S), 0.0
+        beat = f"{self.prefix}/beat/{peer}"
+        beats, alive_at, why = int(store.add(beat, 0)), 0.0, "as long as a compile lock is waited for"  # type: ignore[attr-defined]
         while waited < limit:
             slice_s = min(1.0, self.timeout_s, limit - waited)  # then a look for the peer's abandon
             try:
@@ -258,11 +205,17 @@ class CompileSharing:
                     waited,
                     peer,
                 )
+            now = int(store.add(beat, 0))  # type: ignore[attr-defined]
+            beats, alive_at = now, (waited if now != beats else alive_at)
+            if waited - alive_at >= self.timeout_s:
+                why = f"no sign of life from it for {waited - alive_at:.0f} s: killed or hung"
+                break
         log.warning(
-            "rank %d: rank %d did not finish its share of the compiles within %.0f s; compiling that piece here",
+            "rank %d: rank %d did not finish its share of the compiles within %.0f s (%s); compiling that piece here",
             self.rank,
             peer,
             waited,
+            why,
         )
 
     def compile_all(
@@ -274,14 +227,26 @@ class CompileSharing:
         the store are its own. Under ``compat.eager_backward`` when shared.
         """
         self.find_peers()
-        everyone = sharers = self.sharers
         self.sources = Counter()
         marker = warm_marker(jobs_digest(jobs))
-        if len(sharers) == 1:
+        if len(self.sharers) == 1:
             out = [self._compile_here(compile_one, job) for job in jobs]
-            touch(marker)
-            return out
-        store = self._store()
+        else:
+            store = self._store()
+            with Heartbeat(store, f"{self.prefix}/beat/{self.rank}", self.timeout_s):
+                out = self._compile_shared(store, jobs, compile_one, graph, marker)
+        touch(marker)
+        return out
+
+    def _compile_shared(
+        self,
+        store: object,
+        jobs: Sequence[CompileJob],
+        compile_one: Callable[[CompileJob], object],
+        graph: str,
+        marker: str,
+    ) -> list:
+        everyone = sharers = self.sharers
         warm: tuple[int, ...] = ()
         if len({self.folders.get(r) for r in sharers}) > 1:  # cold folders load from warm ones
             warm = warm_ranks(
@@ -340,7 +305,6 @@ class CompileSharing:
                     continue
                 out[j] = compile_one(jobs[j])
         log.debug("rank %d: pieces of %s: %s; peers %s", self.rank, graph, dict(self.sources), sharers)
-        touch(marker)
         return out
 
     def _owners(self, jobs: Sequence[CompileJob], sharers: Sequence[int], warm: Sequence[int]) -> list[int]:

@@ -15,7 +15,9 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from distcompile.compile import sharing as sharing_module
-from distcompile.compile.sharing import CompileJob, CompileSharing, assign, cpu_check_order
+from distcompile.compile.cpu_checks import cpu_check_order
+from distcompile.compile.peers import assign
+from distcompile.compile.sharing import CompileJob, CompileSharing
 from tests import workers
 from tests.harness import run_ranks
 from tests.runtime.test_parity import TOL, _check
@@ -119,7 +121,7 @@ _CHECKS = """
 import sys
 import torch
 from distcompile import _torch_compat as compat
-from distcompile.compile.sharing import run_cpu_checks
+from distcompile.compile.cpu_checks import run_cpu_checks
 if sys.argv[1] == "no-loads":  # a library load now fails the test: it must not happen
     from torch._inductor.cpu_vec_isa import VecISA
 

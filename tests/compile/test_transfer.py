@@ -190,3 +190,42 @@ def test_warm_ranks_load_everything_and_cold_ones_take_it_from_a_warm_one() -> N
     assert cold0._owners(jobs, (0, 1), (0, 1)) == [0, 0]  # all warm: nothing travels
     four = CompileSharing(lambda: None, "t", rank=3, ranks=(0, 1, 2, 3), timeout_s=1)
     assert four._owners(jobs, (0, 1, 2, 3), (0, 2)) == [2, 2]  # cold ranks 1, 3 spread over 0, 2
+
+
+def test_a_peer_that_stops_beating_is_waited_for_desync_timeout_s_only(caplog, monkeypatch) -> None:  # noqa: ANN001
+    """Killed or hung mid-compile: no heartbeat, so not the 10 minutes a live peer's compile gets."""
+    import time
+
+    monkeypatch.setattr(sharing_module, "PEER_WAIT_S", 100.0)
+    store = dist.HashStore()
+    waiter = CompileSharing(lambda: store, "t", rank=0, ranks=(0, 1), timeout_s=0.5)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        waiter._wait_for(store, "t/g/never", 1, "g")
+    assert time.monotonic() - t0 < 5
+    assert (
+        "no sign of life from it for 0 s: killed or hung" in caplog.text or "for 1 s: killed" in caplog.text
+    )
+
+
+def test_a_peer_that_beats_is_waited_for_past_desync_timeout_s(caplog) -> None:  # noqa: ANN001
+    import threading
+    import time
+
+    from distcompile.compile.peers import Heartbeat
+
+    store = dist.HashStore()
+    waiter = CompileSharing(lambda: store, "t", rank=0, ranks=(0, 1), timeout_s=0.4)
+
+    def slow_peer() -> None:  # compiles for 2 s (5 x desync_timeout_s), beating
+        with Heartbeat(store, "t/beat/1", 0.4):
+            time.sleep(2.0)
+        store.set("t/g/done", "1")
+
+    peer = threading.Thread(target=slow_peer)
+    t0 = time.monotonic()
+    peer.start()
+    with caplog.at_level(logging.WARNING):
+        waiter._wait_for(store, "t/g/done", 1, "g")
+    peer.join()
+    assert time.monotonic() - t0 >= 1.9 and "did not finish" not in caplog.text
