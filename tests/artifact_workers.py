@@ -46,3 +46,31 @@ def train_or_resume(rank: int, world: int, cache_dirs: list[str], ckpt: str, pha
     after = compat.aot_autograd_counts()
     hits = after[1] - before[1]
     return {"compiled": after[0] - before[0] - hits, "hits": hits, "last_loss": losses[-1], "log": lines}
+
+
+def killed_mid_compile(rank: int, world: int, cache_dirs: list[str]) -> dict:
+    """Rank 1 dies in the middle of its share of the compiles (separate folders); rank 0
+    must finish compiling on its own within desync_timeout_s (5 s), then its step fails
+    on the dead peer. Returns rank 0's compile log and how its step ended."""
+    import time
+
+    from distcompile.compile import sharing
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dirs[rank]
+    if rank == 1:
+        sharing.CompileSharing._compile_here = lambda *a, **k: os._exit(3)  # type: ignore[method-assign]
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("distcompile").addHandler(handler)
+    logging.getLogger("distcompile").setLevel(logging.INFO)
+    torch.manual_seed(0)
+    model = distcompile.wrap(DDP(GPT(CFG)), backend="inductor", desync_timeout_s=5)
+    x, y = synthetic_batch(CFG, batch_size=2, step=0, rank=rank)
+    t0 = time.monotonic()
+    try:
+        GPT.loss(model(x), y).backward()
+        ended = "finished"
+    except Exception as exc:  # noqa: BLE001 - the dead peer's all-reduce fails: expected
+        ended = type(exc).__name__
+    return {"log": lines, "ended": ended, "elapsed_s": time.monotonic() - t0}

@@ -229,3 +229,15 @@ def test_a_peer_that_beats_is_waited_for_past_desync_timeout_s(caplog) -> None: 
         waiter._wait_for(store, "t/g/done", 1, "g")
     peer.join()
     assert time.monotonic() - t0 >= 1.9 and "did not finish" not in caplog.text
+
+
+@pytest.mark.slow
+def test_a_peer_killed_mid_compile_does_not_stall_the_other() -> None:
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        out = run_ranks(artifact_workers.killed_mid_compile, 2, [a, b], timeout=600, may_die=(1,))
+    res = out[0]
+    compiled = next(x for x in res["log"] if "compiled in" in x)
+    assert any("rank 1 did not finish its share" in x and "no sign of life" in x for x in res["log"]), res[
+        "log"
+    ]
+    assert "compiled here" in compiled and res["ended"] != "finished", (compiled, res["ended"])
