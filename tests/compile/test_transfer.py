@@ -231,7 +231,7 @@ def test_a_peer_that_beats_is_waited_for_past_desync_timeout_s(caplog) -> None: 
     assert time.monotonic() - t0 >= 1.9 and "did not finish" not in caplog.text
 
 
-@pytest.mark.slow
+@pytest.mark.long  # keeps the README's command near 10 minutes; CI runs it after that command
 def test_a_peer_killed_mid_compile_does_not_stall_the_other() -> None:
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
         out = run_ranks(artifact_workers.killed_mid_compile, 2, [a, b], timeout=600, may_die=(1,))

@@ -69,7 +69,7 @@ def _reduced_whole_after_the_first_step(res: dict) -> None:
         assert [kind for kind, names in layout if "wte.weight" in names] == ["FlatBucket"], layout
 
 
-@pytest.mark.parametrize("mode", ["dense", "dense_find_unused"])
+@pytest.mark.parametrize("mode", ["dense", pytest.param("dense_find_unused", marks=pytest.mark.long)])
 def test_a_dense_table_drops_its_parts_and_stays_exact(mode: str) -> None:
     # 2 ranks touch most of the 128 rows every step: the parts only doubled the table's bytes.
     # find_unused_parameters: the layout frozen at the first step (Note [Graphs that differ by data]).
