@@ -55,6 +55,7 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
         torch._dynamo.config.recompile_limit = 2
     if case == "retain_graph":  # a cold compile cache: see test_retain_graph_under_inductor
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="distcompile-retain-")
+        wrap_kwargs["share_compiles"] = False  # separate folders would share through the store
     if case == "fp16_hook":
         ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
         ours_ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)

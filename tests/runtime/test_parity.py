@@ -163,9 +163,9 @@ def test_retain_graph_under_inductor() -> None:
     """backward(retain_graph=True) from the first step, as under torch.compile.
 
     Inductor compiles each backward lazily and, seeing a retained graph, compiles it without
-    donating saved buffers. Each rank uses an empty compile cache of its own (so the ranks
-    do not share compiles, which build each backward with its forward: test_sharing.py
-    covers that case, with the documented setting). A backward loaded from
+    donating saved buffers. Each rank uses an empty compile cache of its own and
+    ``share_compiles=False`` (shared compiles build each backward with its forward:
+    test_sharing.py covers that case, with the documented setting). A backward loaded from
     AOTAutograd's cache was compiled for a plain backward and donates, and torch then
     refuses retain_graph=True ("non-empty donated buffers") under plain torch.compile too
     (torch 2.13; docs/debugging.md says what to do).
