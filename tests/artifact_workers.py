@@ -3,7 +3,6 @@ pieces, resumed on ranks whose compile caches are empty."""
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -12,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distcompile
 from distcompile import _torch_compat as compat
 from distcompile.models import GPT, GPTConfig, synthetic_batch
+from tests.harness import distcompile_messages
 
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
 
@@ -21,11 +21,7 @@ def train_or_resume(rank: int, world: int, cache_dirs: list[str], ckpt: str, pha
     (on ``cache_dirs[rank]``, empty) and take one step. Returns the AOTAutograd compiles,
     the loss of the step after the checkpoint, and the log."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dirs[rank]
-    lines: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("distcompile").addHandler(handler)
-    logging.getLogger("distcompile").setLevel(logging.INFO)
+    lines = distcompile_messages()
     torch.manual_seed(0)
     model = distcompile.wrap(DDP(GPT(CFG)), backend="inductor")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -59,11 +55,7 @@ def killed_mid_compile(rank: int, world: int, cache_dirs: list[str]) -> dict:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dirs[rank]
     if rank == 1:
         sharing.CompileSharing._compile_here = lambda *a, **k: os._exit(3)  # type: ignore[method-assign]
-    lines: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("distcompile").addHandler(handler)
-    logging.getLogger("distcompile").setLevel(logging.INFO)
+    lines = distcompile_messages()
     torch.manual_seed(0)
     model = distcompile.wrap(DDP(GPT(CFG)), backend="inductor", desync_timeout_s=5)
     x, y = synthetic_batch(CFG, batch_size=2, step=0, rank=rank)

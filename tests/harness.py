@@ -6,6 +6,7 @@ after ``timeout`` seconds instead of hanging.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -159,3 +160,15 @@ def run_ranks(
         if errors:
             raise RankFailure("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
         return [out.get(r) for r in range(world)]
+
+
+def distcompile_messages(level: int = logging.INFO) -> list[str]:
+    """Collect the messages distcompile logs at ``level`` and above in this process, from now on."""
+    lines: list[str] = []
+    handler = logging.Handler(level)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("distcompile")
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET or logger.level > level:
+        logger.setLevel(level)
+    return lines

@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distcompile
 from distcompile.models import GPT, GPTConfig, synthetic_batch
+from tests.harness import distcompile_messages
 
 #: 2 layers, a 2048-token vocabulary (the tied table is 63% of the parameters), 4 x 32 tokens
 #: per rank: at most 256 of 2048 rows touched by 2 ranks.
@@ -35,10 +36,7 @@ def split_parity(rank: int, world: int, mode: str, steps: int = 3) -> dict:
     (fused bf16 compression on distcompile; eager DDP in fp32: DDP's bf16 hook needs CUDA), ``off``
     (``split_shared=False``), ``verify`` (``verify=True``), ``dense`` (a table whose rows are
     mostly touched every step), ``dense_find_unused`` (the same, frozen layout)."""
-    warnings: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("distcompile").addHandler(handler)
+    warnings = distcompile_messages(logging.WARNING)
     cfg = DENSE if mode.startswith("dense") else CFG
     torch.manual_seed(0)
     base = GPT(cfg)

@@ -13,6 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distcompile
+from tests.harness import distcompile_messages
 from tests.models import BUILDERS, RaisesOnce, batch, loss_fn, step_each
 
 
@@ -514,15 +515,10 @@ def shared_compile(rank: int, world: int, cache_dir: str | list[str]) -> dict:
     Returns the parity result plus this rank's AOTAutograd compiles and cache hits, and
     the compile log's lines.
     """
-    import logging
 
     cache_dir = cache_dir if isinstance(cache_dir, str) else cache_dir[rank]
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    lines: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("distcompile").addHandler(handler)
-    logging.getLogger("distcompile").setLevel(logging.INFO)
+    lines = distcompile_messages()
     # Shared compiles build each backward with its forward, for a plain backward; what
     # docs/debugging.md tells a user of retain_graph=True to set:
     torch._functorch.config.donated_buffer = False
