@@ -1,7 +1,9 @@
-"""The launchers, run for real: single node, elastic restart after a SIGKILL, two nodes in namespaces."""
+"""The launchers, run for real: single node, elastic restart after a SIGKILL, two nodes in
+namespaces, and a real two-node SLURM cluster (``tests/slurm_cluster.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -13,6 +15,7 @@ import pytest
 
 from distcompile.tools.bench.netns import can_make_namespaces, veth_pair
 from tests.harness import child_env
+from tests.slurm_cluster import cannot_run, slurm_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = [
@@ -157,3 +160,76 @@ def test_two_nodes_in_network_namespaces(two_namespaces, tmp_path: Path) -> None
                 p.kill()
     digests = _digests("\n".join(outs))
     assert set(digests) == {0, 1} and digests[0] == digests[1], outs
+
+
+@pytest.fixture
+def slurm(tmp_path: Path):
+    reason = cannot_run()
+    if reason:
+        pytest.skip(f"cannot bring up a SLURM cluster here: {reason}")
+    root = tmp_path / "slurm"
+    root.mkdir()
+    with slurm_cluster(root, subnet="10.213.11") as cluster:
+        yield cluster
+
+
+# Inductor (the default backend), each node with its own empty compile cache at first; two
+# layers, so that the graph has several distinct pieces to split between the nodes.
+SLURM_TRAIN = [*TRAIN[:2], *"--n-layer 2 --n-embd 32 --steps 200 --ckpt-every 10 --ckpt-dir ckpt".split()]
+
+
+def _sbatch(cluster, job_dir: Path) -> subprocess.Popen:  # noqa: ANN001 - a tests.slurm_cluster.Cluster
+    """``sbatch --nodes 2 launchers/slurm.sbatch examples/train_gpt.py ...``, as docs/launching.md says."""
+    job_dir.mkdir()
+    script = str(ROOT / "launchers" / "slurm.sbatch")
+    return cluster.submit("--nodes", "2", script, *SLURM_TRAIN, cwd=job_dir, env=_env())
+
+
+def _finish(cluster, proc: subprocess.Popen, job_dir: Path) -> str:  # noqa: ANN001
+    """Wait for the job; its output file, after checking that it succeeded."""
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    found = list(job_dir.glob(f"distcompile-{out.strip()}.out"))
+    log = found[0].read_text() if found else f"(no output file for job {out.strip()!r})"
+    assert proc.returncode == 0, f"sbatch exited {proc.returncode}: {err}\n{log}\n{cluster.logs()}"
+    return log
+
+
+def _torchrun_on(cluster, node: int) -> int:  # noqa: ANN001
+    for pid in cluster.pids(node):
+        with contextlib.suppress(OSError):
+            if b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    raise AssertionError(f"no torchrun in node {node + 1}'s namespace")
+
+
+@pytest.mark.long  # a SLURM cluster and two 200-step jobs over two nodes
+def test_slurm_two_nodes_and_a_killed_worker(slurm, tmp_path: Path) -> None:
+    first = _finish(slurm, _sbatch(slurm, tmp_path / "job1"), tmp_path / "job1")
+    ref = _digests(first)
+    assert set(ref) == {0, 1} and ref[0] == ref[1], first
+    # One compile per job: node 1's rank took pieces compiled on node 2 through the store.
+    assert re.search(r"pieces: \d+ compiled here, \d+ from other-folder peers", first), first
+    for node in ("node1", "node2"):  # each node's own cache holds them
+        assert any((slurm.root / node / "inductor").iterdir()), node
+
+    job = tmp_path / "job2"
+    proc = _sbatch(slurm, job)
+    try:
+        deadline = time.monotonic() + 300
+        while not (job / "ckpt" / "step-00000059.pt").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the job ended before the kill"
+            time.sleep(0.02)
+        workers = _workers_of(_torchrun_on(slurm, 1))
+        assert 0 in workers, workers
+        os.kill(workers[0], signal.SIGKILL)  # node 2's only worker: rank 1
+    finally:
+        second = _finish(slurm, proc, job)
+    assert "resumed from" in second, second
+    assert "compiled here" not in second, second  # warm node caches, before and after the restart
+    # Resumed from the newest checkpoint: the parameters of the uninterrupted job, bitwise
+    # (same kernels from the same caches, the same bucket layout, two ranks).
+    assert _digests(second) == ref, second
