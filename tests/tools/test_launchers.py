@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -223,13 +224,20 @@ def test_slurm_two_nodes_and_a_killed_worker(slurm, tmp_path: Path) -> None:
         while not (job / "ckpt" / "step-00000059.pt").exists():
             assert proc.poll() is None and time.monotonic() < deadline, "the job ended before the kill"
             time.sleep(0.02)
+        # Node 1 comes back as if replaced: its cache is emptied (its worker has loaded its
+        # kernels already), then node 2's worker is killed.
+        shutil.rmtree(slurm.root / "node1" / "inductor")
         workers = _workers_of(_torchrun_on(slurm, 1))
         assert 0 in workers, workers
         os.kill(workers[0], signal.SIGKILL)  # node 2's only worker: rank 1
     finally:
         second = _finish(slurm, proc, job)
-    assert "resumed from" in second, second
-    assert "compiled here" not in second, second  # warm node caches, before and after the restart
+    before, resumed, after = second.partition("resumed from")
+    assert resumed, second
+    assert "compiled here" not in before, second  # both caches warm from the first job
+    # Rank 0, on the emptied node, compiled nothing: it loaded every piece from node 2.
+    assert re.search(r"pieces: \d+ from other-folder peers", after), second
+    assert "compiled here" not in after, second
     # Resumed from the newest checkpoint: the parameters of the uninterrupted job, bitwise
     # (same kernels from the same caches, the same bucket layout, two ranks).
     assert _digests(second) == ref, second
