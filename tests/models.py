@@ -70,7 +70,19 @@ def gpt() -> nn.Module:
     return GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=64))
 
 
-BUILDERS = {"mlp_seq": mlp_seq, "convbn": ConvBN, "graph_break": GraphBreak, "unused": Unused, "gpt": gpt}
+def one_piece() -> nn.Module:
+    """Small enough for one bucket, no repeated blocks: a graph compiled as one piece."""
+    return nn.Sequential(nn.Linear(64, 16), nn.GELU(), nn.Linear(16, 8))
+
+
+BUILDERS = {
+    "mlp_seq": mlp_seq,
+    "one_piece": one_piece,
+    "convbn": ConvBN,
+    "graph_break": GraphBreak,
+    "unused": Unused,
+    "gpt": gpt,
+}
 
 
 def batch(name: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -371,7 +371,7 @@ class GraphCompiler:
         # Note [Sharing compiles between ranks], Note [Compiles shared across cache folders]
         sharing = self._sharing
         peers = sharing.sharers if self._together and sharing.peers is not None else ()
-        if len(peers) > 1 and len(plan.compiled_pieces) > 1:  # one piece: each rank compiles it
+        if len(peers) > 1 and (len(plan.compiled_pieces) > 1 or sharing.sources):  # else each compiles it
             sources = sharing.describe_sources()
             return f"; compiles split between ranks {list(peers)} (backward included)" + (
                 f"; {sources}" if sources else ""

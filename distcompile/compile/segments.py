@@ -277,6 +277,25 @@ def _compile_jobs(interpreter: fx.Interpreter, sharing: CompileSharing | None, g
     compat.reorder_piece_metadata(backward_order(entries, interpreter.last_use))
 
 
+def _whole_shared(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[object],
+    *,
+    compiler: CompilerFn,
+    sharing: CompileSharing,
+    graph: str,
+) -> Callable:
+    """A graph of one piece, when the ranks have several cache folders: one rank compiles
+    it and the others load it (Note [Compiles shared across cache folders]), so that a
+    restart on an emptied folder loads instead of compiling while the warm ranks wait.
+    With one folder every rank compiles it: Inductor's own cache is shared already."""
+    job = CompileJob(
+        gm, list(example_inputs), None, 1, _needs_backward(example_inputs), compat.aot_cacheable(gm)
+    )
+    (compiled,) = sharing.compile_all([job], compile_one=lambda j: compiler(j.module, j.args), graph=graph)
+    return compiled
+
+
 def split_and_compile(
     gm: fx.GraphModule,
     example_inputs: Sequence[object],
@@ -304,7 +323,11 @@ def split_and_compile(
         >>> # used by distcompile's TorchDynamo backend; see distcompile.wrap
     """
     pieces = plan.compiled_pieces
+    if sharing is not None:
+        sharing.sources.clear()  # this graph's pieces, counted by compile_all if it runs
     if len(pieces) == 1:
+        if cacheable and sharing is not None and sharing.several_folders():
+            return _whole_shared(gm, example_inputs, compiler=compiler, sharing=sharing, graph=graph), 0
         if cacheable and runs_on_cpu(example_inputs):
             run_cpu_checks()  # compiled whole on every rank: each runs its checks in Inductor's order
         return compiler(gm, list(example_inputs)), 0

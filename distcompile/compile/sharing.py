@@ -168,6 +168,11 @@ class CompileSharing:
         cache folders (Note [Compiles shared across cache folders]), else the folder's peers."""
         return self.ranks if len(set(self.folders.values())) > 1 else self.find_peers()
 
+    def several_folders(self) -> bool:
+        """Whether the ranks have more than one cache folder (collective at first use)."""
+        self.find_peers()
+        return len(set(self.folders.values())) > 1
+
     def abandon(self, graph: str) -> None:
         """This rank left the shared compile ``graph`` (TorchDynamo restarted its trace, or it
         failed): the peers waiting for its share compile those pieces themselves, now."""

@@ -26,6 +26,11 @@ Notes
     piece is compiled here, with a log line saying why. What a process publishes is
     everything it compiled or loaded so far (PyTorch's serializer appends), so a later
     graph republishes earlier entries: simple, and bounded by the model's compiled code.
+    A graph compiled as one piece is shared too (one rank compiles it whole, the others
+    load it), unlike with one folder, where every rank compiles it and Inductor's files
+    are shared anyway. Pieces compiled in place because Inductor may change their output
+    layout (convolutions: ``segments._may_change_layout``) are not shared: AOTAutograd
+    does not cache a compile that returns fake outputs, so each rank compiles those.
 """
 
 from __future__ import annotations
