@@ -508,9 +508,11 @@ def counter_recompiles(rank: int, world: int) -> dict:
     return {"out": out, "reasons": [list(g.recompile_reasons) for g in model.graphs]}
 
 
-def shared_compile(rank: int, world: int, cache_dir: str | list[str], model: str = "gpt") -> dict:
+def shared_compile(
+    rank: int, world: int, cache_dir: str | list[str], model: str = "gpt", case: str = "retain_graph_shared"
+) -> dict:
     """``parity`` of ``model`` under Inductor, both ranks on one empty compile cache (or each
-    on ``cache_dir[rank]``), with retain_graph=True.
+    on ``cache_dir[rank]``), with retain_graph=True (or another ``case``).
 
     Returns the parity result plus this rank's AOTAutograd compiles and cache hits, and
     the compile log's lines.
@@ -523,7 +525,7 @@ def shared_compile(rank: int, world: int, cache_dir: str | list[str], model: str
     # docs/debugging.md tells a user of retain_graph=True to set:
     torch._functorch.config.donated_buffer = False
     before = distcompile._torch_compat.aot_autograd_counts()
-    result = parity(rank, world, model, "inductor", "retain_graph_shared")
+    result = parity(rank, world, model, "inductor", case)
     after = distcompile._torch_compat.aot_autograd_counts()
     result["aot_hits"] = after[1] - before[1]
     result["aot_compiled"] = after[0] - before[0] - result["aot_hits"]

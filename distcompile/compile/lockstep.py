@@ -82,14 +82,19 @@ class Lockstep:
         self._step = -1
         self._k = 0
         self._restarted = False
+        self._retry = 0  # how many times TorchDynamo restarted the trace of the graph checked
         self.name = ""  # the last compile checked, "step_k" (names its shared compile, when together)
 
     def restarted(self) -> None:
         """TorchDynamo restarted the trace of the graph just checked (its own control flow, from
-        inside a compile): the next graph is that one again, under the same key. A rank that
-        loaded its pieces from a peer's compile may not restart, so it is compared, not required."""
+        inside a compile): the next graph is that one again, checked under a key of its own
+        (the first attempt's summaries and compile marks in the store are stale: a rank that
+        read them compared against a graph its peer no longer compiles). A rank that loaded
+        its pieces from a peer's compile may not restart: a retry is compared, not required,
+        and the peers that did not retry leave it to compile alone after ``LOCKSTEP_WAIT_S``."""
         self._k -= 1
         self._restarted = True
+        self._retry += 1
 
     def new_call(self) -> None:
         """A forward call begins: its compiles are checked again until a data-dependent break."""
@@ -108,9 +113,11 @@ class Lockstep:
         if step != self._step:
             self._step, self._k = step, 0
         self._k += 1
-        key = f"{self.prefix}/compile/{step}/{self._k}"
-        self.name = f"{step}_{self._k}"
         again, self._restarted = self._restarted, False
+        self._retry = self._retry if again else 0
+        retry = f".{self._retry}" if self._retry else ""
+        key = f"{self.prefix}/compile/{step}/{self._k}{retry}"
+        self.name = f"{step}_{self._k}{retry}"
         recompile = recompile or again
         summary = "\n".join(structure(captured)) + "\nplan:\n" + plan.describe()
         if step == 0 and not recompile and (not self.data_dependent or self._k == 1):

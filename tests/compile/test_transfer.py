@@ -141,6 +141,20 @@ def test_ranks_with_separate_folders_compile_each_piece_once(model: str) -> None
     assert libs[0] and set(libs[0]) & set(libs[1]), libs  # C++ kernels travelled too
 
 
+@pytest.mark.long  # about 40 s; CI runs it after the README's command
+def test_a_trace_restarted_on_every_rank_is_still_compiled_once() -> None:
+    """Under dynamic=True TorchDynamo restarts the trace of the GPT's first graph from inside
+    the backend, on both ranks: the retry is agreed and shared under keys of its own (the
+    first attempt's were stale: one rank compiled everything, the other alone)."""
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        results = run_ranks(workers.shared_compile, 2, [a, b], "gpt", "dynamic_true", timeout=900)
+    _check(results, TOL["inductor"])
+    for r in results:
+        first = next(x for x in r["log"] if x.startswith("graph 0 compiled in"))
+        assert "compiled here, " in first and "from other-folder peers" in first, r["log"]
+        assert not any("not loading" in x for x in r["log"]), r["log"]
+
+
 @pytest.mark.long  # two runs of the job (about a minute); CI runs it after the README's command
 @pytest.mark.parametrize("model", ["gpt", "one_piece"])
 def test_after_a_restart_a_rank_whose_folder_was_emptied_loads_everything(model: str) -> None:
