@@ -60,10 +60,10 @@ class Cluster:
         """``cmd`` run in node ``node``'s network namespace (node 0 is also the login node)."""
         return ["nsenter", f"--net=/run/netns/{self.namespaces[node]}", *cmd]
 
-    def client(self, *cmd: str, timeout: float = 30, **kw) -> subprocess.CompletedProcess:  # noqa: ANN003
+    def client(self, *cmd: str, timeout: float = 30) -> subprocess.CompletedProcess:
         """Run a SLURM client command (``sinfo``, ``scancel``) on the login node."""
         return subprocess.run(
-            self.in_node(0, *cmd), capture_output=True, text=True, timeout=timeout, env=self.env, **kw
+            self.in_node(0, *cmd), capture_output=True, text=True, timeout=timeout, env=self.env
         )
 
     def submit(self, *args: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen:

@@ -166,7 +166,7 @@ class CompileSharing:
     def sharers(self) -> tuple[int, ...]:
         """The ranks that split the compiles: the whole job when the ranks have several
         cache folders (Note [Compiles shared across cache folders]), else the folder's peers."""
-        return self.ranks if len(set(self.folders.values())) > 1 else self.find_peers()
+        return self.ranks if self.several_folders() else self.find_peers()
 
     def several_folders(self) -> bool:
         """Whether the ranks have more than one cache folder (collective at first use)."""

@@ -190,9 +190,9 @@ def _finish(cluster, proc: subprocess.Popen, job_dir: Path) -> str:  # noqa: ANN
     """Wait for the job; its output file, after checking that it succeeded."""
     try:
         out, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    except subprocess.TimeoutExpired:
+        proc.kill()  # then fail below with what it printed and the daemons' logs
+        out, err = proc.communicate()
     found = list(job_dir.glob(f"distcompile-{out.strip()}.out"))
     log = found[0].read_text() if found else f"(no output file for job {out.strip()!r})"
     assert proc.returncode == 0, f"sbatch exited {proc.returncode}: {err}\n{log}\n{cluster.logs()}"
