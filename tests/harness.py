@@ -50,9 +50,10 @@ _PRELOAD = [
 ]
 
 
-def _context() -> Any:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+def _context(start: str) -> Any:
+    ctx = mp.get_context(start)
+    if start == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
     return ctx
 
 
@@ -97,14 +98,21 @@ def _child(fn: Callable, rank: int, world: int, init_file: str, results: Any, ar
 
 
 def run_ranks(
-    fn: Callable, world: int, *args: Any, timeout: float = 300, may_die: tuple[int, ...] = ()
+    fn: Callable,
+    world: int,
+    *args: Any,
+    timeout: float = 300,
+    may_die: tuple[int, ...] = (),
+    start: str = "forkserver",
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result.
 
     ``fn`` must be importable (a module-level function). Ranks in ``may_die`` may exit
     without a result (their result is ``None``), for tests that kill a rank on purpose.
+    ``start="spawn"`` gives each rank a fresh interpreter: what ranks that use CUDA need
+    once the test process has touched CUDA (its forked children cannot initialize it).
     """
-    ctx = _context()
+    ctx = _context(start)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import CommunicationError, NonFiniteGradientError, UnsupportedModelError
+from .graph_memory import is_owned, own
 from .hooks import CommHook
 
 __all__ = ["WIRE_DTYPES", "FlatBucket", "OneParamBucket", "comm_error", "raise_if_nonfinite"]
@@ -29,6 +30,7 @@ class FlatBucket:
         *,
         compression: str | None,
         grad_as_view: bool,
+        fresh_grads: bool = False,
     ) -> None:
         self.index = index
         self.names = [n for n, _ in params]
@@ -47,6 +49,8 @@ class FlatBucket:
             self.buffer if wire is None or wire == dtype else torch.zeros(total, dtype=wire, device=device)
         )
         self.grad_as_view = grad_as_view
+        # Note [Gradients in CUDA-graph memory]: .grad tensors not made here are replaced.
+        self.fresh_grads = fresh_grads
         self.views = [self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
         self.wire_views = (
             self.views
@@ -201,8 +205,8 @@ class FlatBucket:
                     self.views[i].copy_(src)
                 if p.grad is None or p.grad.data_ptr() != self.views[i].data_ptr():
                     p.grad = self.views[i]
-            elif p.grad is None:
-                p.grad = src.to(p.dtype, copy=True)
+            elif p.grad is None or (self.fresh_grads and not is_owned(p.grad)):
+                p.grad = own(src.to(p.dtype, copy=True))
             else:
                 p.grad.copy_(src)
 

@@ -128,6 +128,7 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
             # agreed by every rank, so that which graphs ran (or reran for other parameters) on a
             # rank never changes what it all-reduces.
             freeze=True,
+            grads_in_graph_memory=config.cudagraphs,
         )
         target = CompileTarget(
             config=config,

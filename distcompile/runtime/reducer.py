@@ -61,6 +61,7 @@ from .._errors import CommunicationError, ConfigError, DistCompileError
 from ..planning.plan import Plan
 from ..planning.split import SplitPlan
 from .bucket import FlatBucket, comm_error
+from .graph_memory import take_ownership
 from .hooks import CommHook
 from .optim_in_backward import OptimizersInBackward
 from .parts import SharedParts
@@ -105,8 +106,10 @@ class BucketReducer(WriteBack):
         bucket_caps: tuple[int, int] = (25 << 20, 1 << 20),
         agree_layout: Callable[[list[list[str]]], list[list[str]] | None] = lambda groups: groups,
         freeze: bool = False,
+        grads_in_graph_memory: bool = False,
     ) -> None:
         self.params = dict(params)
+        self.grads_in_graph_memory = grads_in_graph_memory  # Note [Gradients in CUDA-graph memory]
         self.sparse = set(sparse)
         self.comm_hook = comm_hook
         self._pending_hook: tuple[CommHook | None, str | None] | None = None
@@ -135,7 +138,6 @@ class BucketReducer(WriteBack):
         self._warned_unsynced = False
         self.last_step = StepStats()
         self._waited_s = 0.0  # host time blocked on communication in the open step
-        self._index_of = {id(p): i for i, p in enumerate(self.params.values())}
         self._name_of = {id(p): n for n, p in self.params.items()}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params.values()]
 
@@ -261,6 +263,7 @@ class BucketReducer(WriteBack):
                 compression=None if self.comm_hook is not None else self.compression,
                 compress_tail_only=self.compress_tail_only,
                 grad_as_view=self.grad_as_view,
+                fresh_grads=self.grads_in_graph_memory,
                 rows=rows,
             )
             if self.parts.in_order(order):
@@ -295,6 +298,8 @@ class BucketReducer(WriteBack):
     def _on_grad(self, param: torch.Tensor) -> None:
         step = self._step
         if step is None:
+            if self.grads_in_graph_memory:
+                take_ownership(param)
             if not self._warned_unsynced:
                 self._warned_unsynced = True
                 log.debug(

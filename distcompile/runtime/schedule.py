@@ -97,11 +97,14 @@ def build_schedule(
     compression: str | None,
     compress_tail_only: bool,
     grad_as_view: bool,
+    fresh_grads: bool = False,
     rows: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> list[Bucket]:
     """The step's buckets in launch order: one flat bucket per group and dtype, one sparse
     bucket per parameter with a sparse gradient (``sparse``: their ``id``), one row bucket
     per embedding table reduced by rows (``rows``: their ``id``; ``runtime/rows.py``).
+    ``fresh_grads``: flat buckets write new ``.grad`` tensors over any they did not make
+    (Note [Gradients in CUDA-graph memory]).
 
     Example:
         >>> lin = torch.nn.Linear(2, 2)
@@ -125,7 +128,15 @@ def build_schedule(
             else:
                 by_dtype.setdefault((p.dtype, p.device), []).append((n, p))
         for members in by_dtype.values():
-            order.append(FlatBucket(len(order), members, compression=scheme, grad_as_view=grad_as_view))
+            order.append(
+                FlatBucket(
+                    len(order),
+                    members,
+                    compression=scheme,
+                    grad_as_view=grad_as_view,
+                    fresh_grads=fresh_grads,
+                )
+            )
         for b in order[first:]:
             b.tail = g >= tail_from  # final only when backward ends (StepStats.tail_bytes)
     return order

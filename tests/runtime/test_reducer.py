@@ -173,3 +173,47 @@ def test_zero_step_hooks_are_refused_not_left_to_never_step() -> None:
     hook_with_zero_fn.__qualname__ = "hook_with_zero_step.<locals>.hook_with_zero_fn"
     with pytest.raises(distcompile.UnsupportedModelError, match="without overlap_with_ddp"):
         adopt_hook(hook_with_zero_fn, None, None)
+
+
+class _ReusedMemory(torch.autograd.Function):
+    """``x @ w.T`` whose backward hands out ``w``'s gradient in one buffer it overwrites on every
+    call, as a CUDA graph's replay does with its outputs (Note [Gradients in CUDA-graph memory])."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(x)
+        ctx.pool = pool
+        return x @ w.T
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple:  # noqa: ANN001
+        (x,) = ctx.saved_tensors
+        ctx.pool.copy_(g.T @ x)
+        return None, ctx.pool.view_as(ctx.pool), None  # a new tensor over the same memory
+
+
+@pytest.mark.parametrize("in_graph_memory", [False, True])
+def test_gradients_in_reused_backward_memory_survive_accumulation(
+    single_rank_group, in_graph_memory: bool
+) -> None:
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(2, 3))
+    pool = torch.zeros(2, 3)
+    reducer = BucketReducer(
+        {"w": w}, group=None, compression=None, grad_as_view=False, grads_in_graph_memory=in_graph_memory
+    )
+    reducer.add_graph(0, [["w"]])
+    xs = [torch.randn(4, 3) for _ in range(4)]
+    expected = sum(x.sum(0, keepdim=True).expand(2, 3) for x in xs)  # d/dw of sum(x @ w.T)
+    _ReusedMemory.apply(xs[0], w, pool).sum().backward()  # no_sync: no step open
+    _ReusedMemory.apply(xs[1], w, pool).sum().backward()
+    for x in xs[2:]:  # synchronized, accumulating (as zero_grad(set_to_none=False) between steps)
+        reducer.begin_forward()
+        reducer.record_graph(0)
+        _ReusedMemory.apply(x, w, pool).sum().backward()
+    if in_graph_memory:
+        torch.testing.assert_close(w.grad, expected)
+        assert w.grad.data_ptr() != pool.data_ptr()
+    else:  # what happens without the copies: each backward overwrote the .grad it added to
+        assert not torch.allclose(w.grad, expected)
+    reducer.close()

@@ -34,6 +34,7 @@ VARIANTS = {
     "dc_aot_eager": "distcompile, aot_eager",
     "dc_inductor": "distcompile, inductor",
     "dc_inductor_noshare": "distcompile, inductor, share_compiles=False (every rank compiles every piece)",
+    "dc_inductor_nosplit": "distcompile, inductor, split_shared=False (one reduction per parameter)",
     "dc_cudagraphs": "distcompile, inductor, cudagraphs=True",
     "dc_inductor_bf16": "distcompile, inductor, bf16 compression",
     "dc_auto": "distcompile, inductor, bucket_cap_mb='auto'",
@@ -49,7 +50,14 @@ CPU_DEFAULT = tuple(
     n
     for n in VARIANTS
     if n not in CUDA_ONLY
-    and n not in ("compile_noddp", "fsdp_replicate", "dc_auto_nosplit", "dc_inductor_noshare")
+    and n
+    not in (
+        "compile_noddp",
+        "fsdp_replicate",
+        "dc_auto_nosplit",
+        "dc_inductor_noshare",
+        "dc_inductor_nosplit",
+    )
 )
 CUDA_DEFAULT = (
     "compile_noddp",
