@@ -616,3 +616,31 @@ class RoutedMoE(nn.Module):
 
 BUILDERS["moe"] = RoutedMoE
 BUILDERS["moe_skip"] = lambda: RoutedMoE(skip_unused=True)
+
+
+class _ActBlock(nn.Module):
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.lin(x))
+
+
+class UnlikeBlocks(nn.Module):
+    """Two blocks of one class, the first holding ``nn.Identity`` where the second holds
+    ``nn.ReLU``, after a layer (Note [Regions only for blocks alike]): TorchDynamo reused the
+    first block's region trace for the second, which then trained without its ReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, 64)
+        self.blocks = nn.Sequential(_ActBlock(nn.Identity()), _ActBlock(nn.ReLU()))
+        self.out = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(self.inp(x)))
+
+
+BUILDERS["unlike_blocks"] = UnlikeBlocks

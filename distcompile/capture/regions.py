@@ -40,11 +40,14 @@ ever reaches AOTAutograd. Reproduced in small by ``tests.models.CheckpointAround
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Callable
 
 import torch
 from torch import fx, nn
+
+from .likeness import describe_difference, likeness_key
 
 __all__ = [
     "RegionNotInlined",
@@ -55,12 +58,16 @@ __all__ = [
 ]
 
 
+log = logging.getLogger(__name__)
+
+
 class RegionNotInlined(RuntimeError):
     """A region call that cannot be copied back: its outputs read whole, or an input of
     another kind than its body was traced with."""
 
 
-def _repeated_blocks(module: nn.Module) -> list[list[nn.Module]]:
+def _candidates(module: nn.Module) -> list[list[nn.Module]]:
+    """Children of one class with submodules of their own, per container, in order."""
     groups: list[list[nn.Module]] = []
     for container in module.modules():
         if type(container) not in (nn.ModuleList, nn.Sequential):
@@ -76,6 +83,43 @@ def _repeated_blocks(module: nn.Module) -> list[list[nn.Module]]:
     return groups
 
 
+def _alike(blocks: list[nn.Module], names: dict[int, str]) -> tuple[list[list[nn.Module]], str]:
+    """``blocks`` (one class) split by likeness key (Note [Regions only for blocks alike]):
+    the groups of two or more, and a line on the blocks left out ("" when none is)."""
+    keys = [likeness_key(b) for b in blocks]
+    by_key: dict[tuple, list[int]] = {}
+    for i, k in enumerate(keys):
+        by_key.setdefault(k, []).append(i)
+    groups = [[blocks[i] for i in idx] for idx in by_key.values() if len(idx) > 1]
+    alone = [idx[0] for idx in by_key.values() if len(idx) == 1]
+    if len(by_key) == 1:
+        return groups, ""
+    # Name one difference: the first block that does not look like the first block.
+    other = next(i for i, k in enumerate(keys) if k != keys[0])
+    why = describe_difference(
+        keys[0], keys[other], a_name=names[id(blocks[0])], b_name=names[id(blocks[other])]
+    )
+    shared = sum(len(g) for g in groups)
+    line = (
+        f"{len(blocks)} {type(blocks[0]).__name__} blocks are not all alike ({why}): "
+        f"{shared} traced as {len(groups)} region(s), {len(alone)} on their own"
+    )
+    return groups, line
+
+
+def _repeated_blocks(module: nn.Module) -> tuple[list[list[nn.Module]], list[str]]:
+    """The groups of blocks that may share a region, and a line per class split by likeness."""
+    names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+    groups: list[list[nn.Module]] = []
+    lines: list[str] = []
+    for blocks in _candidates(module):
+        alike, line = _alike(blocks, names)
+        groups.extend(alike)
+        if line:
+            lines.append(line)
+    return groups, lines
+
+
 def has_repeated_blocks(module: nn.Module) -> bool:
     """Whether ``mark_repeated_blocks`` would mark anything in ``module`` (``regions`` matters).
 
@@ -83,7 +127,7 @@ def has_repeated_blocks(module: nn.Module) -> bool:
         >>> has_repeated_blocks(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
         False
     """
-    return bool(_repeated_blocks(module))
+    return bool(_candidates(module))
 
 
 def _as(cls: type) -> Callable:
@@ -104,17 +148,24 @@ def _rebuild(cls: type, state: dict) -> object:
 def mark_repeated_blocks(module: nn.Module) -> Callable[[], None] | None:
     """Mark ``module``'s repeated blocks as nested compile regions; return what unmarks them.
 
-    Each group's blocks get one shared subclass of their class whose ``forward`` is the
-    region (the same function for every block, so that TorchDynamo reuses its trace).
-    None when there is nothing to mark or the torch release has no regions.
+    Blocks share a region only when they are alike (Note [Regions only for blocks alike]);
+    each group gets its own subclass of their class whose ``forward`` is the region (one
+    function for the group, so that TorchDynamo reuses its trace; TorchDynamo guards the
+    block's class, so no other group reuses it). Blocks of a class that are not all alike
+    are named in one log line. None when there is nothing to mark or the torch release has
+    no regions.
 
     Example:
         >>> mark_repeated_blocks(nn.Linear(2, 2)) is None
         True
     """
     region = getattr(torch.compiler, "nested_compile_region", None)
-    groups = _repeated_blocks(module)
-    if region is None or not groups:
+    if region is None:
+        return None
+    groups, lines = _repeated_blocks(module)
+    for line in lines:
+        log.info("regions: %s", line)
+    if not groups:
         return None
     swapped: list[tuple[nn.Module, type]] = []
     for blocks in groups:
