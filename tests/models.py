@@ -93,6 +93,10 @@ def batch(name: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return idx, torch.roll(idx, -1, dims=1)
     if name == "convbn":
         return torch.randn(4, 3, 8, 8, generator=g), torch.randn(4, 8, generator=g)
+    if name.startswith("mask_moe"):  # token types 2r and 2r + 1 on rank r (mod 4)
+        x = torch.randn(8, 64, generator=g)
+        x[:, 0] = (2 * rank + torch.randint(0, 2, (8,), generator=g)) % 4
+        return x, torch.randn(8, 8, generator=g)
     return torch.randn(8, 64, generator=g), torch.randn(8, 8, generator=g)
 
 
@@ -644,3 +648,32 @@ class UnlikeBlocks(nn.Module):
 
 
 BUILDERS["unlike_blocks"] = UnlikeBlocks
+
+
+class MaskMoE(nn.Module):
+    """Experts chosen by each token's type with boolean masks, ``m = route == e; if m.any():
+    out[m] = expert(h[m])``; the type is the input's first column, and each rank sees only
+    two of the four types (``batch``), so each rank leaves two experts unused. ``check=False``
+    drops the ``m.any()`` test: an expert then runs on no tokens, and with TorchDynamo's
+    ``capture_dynamic_output_shape_ops`` the whole forward is one graph with ``nonzero`` in it."""
+
+    def __init__(self, check: bool = True) -> None:
+        super().__init__()
+        self.check = check
+        self.inp = nn.Linear(64, 32)
+        self.experts = nn.ModuleList(_Expert() for _ in range(4))
+        self.out = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        route = x[:, 0].long()
+        h = torch.relu(self.inp(x))
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            m = route == e
+            if not self.check or m.any():
+                out[m] = expert(h[m])
+        return self.out(out + h)
+
+
+BUILDERS["mask_moe"] = MaskMoE
+BUILDERS["mask_moe_unchecked"] = lambda: MaskMoE(check=False)

@@ -36,7 +36,7 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
     torch.manual_seed(0)
     base = BUILDERS[model_name]()
     ddp_kwargs: dict = {"bucket_cap_mb": 0.05}
-    if model_name == "unused":
+    if model_name in ("unused", "mask_moe", "mask_moe_unchecked"):
         ddp_kwargs["find_unused_parameters"] = True
     if case == "grad_as_view":
         ddp_kwargs["gradient_as_bucket_view"] = True
@@ -52,6 +52,11 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
         wrap_kwargs["bucket_cap_mb"] = "auto"
     if case in _DYNAMIC:
         wrap_kwargs["dynamic"] = _DYNAMIC[case]
+    if case == "dynamic_shapes":  # dynamic=True on the model's own inputs, no length schedule
+        wrap_kwargs["dynamic"] = True
+    if case == "capture_dynamic":  # a user's TorchDynamo settings: nonzero and .item() in graphs
+        torch._dynamo.config.capture_dynamic_output_shape_ops = True
+        torch._dynamo.config.capture_scalar_outputs = True
     if case == "recompile_limit":  # this rank's process only: the third version is never compiled
         torch._dynamo.config.recompile_limit = 2
     if case == "retain_graph":  # a cold compile cache: see test_retain_graph_under_inductor

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..planning.plan import NodeInfo
 from .blocks import find_blocks
@@ -31,12 +32,15 @@ class CapturedGraph:
         nodes: One :class:`NodeInfo` per body node.
         params: Trainable parameter name -> parameter, for the parameters the graph receives.
         blocks: Groups of repeated blocks as body index ranges (``capture.blocks``).
+        sealed: ``(first, last)`` body index ranges no cut may split: a size known only from
+            the data (``nonzero``, a boolean mask) made at ``first`` and still read at ``last``.
     """
 
     body: tuple[fx.Node, ...]
     nodes: tuple[NodeInfo, ...]
     params: Mapping[str, torch.nn.Parameter]
     blocks: tuple[tuple[tuple[int, int], ...], ...] = ()
+    sealed: tuple[tuple[int, int], ...] = ()
 
 
 def _get_attr(gm: fx.GraphModule, qualname: str) -> object:
@@ -102,7 +106,39 @@ def read_graph(
             default=-1,
         )
         nodes.append(NodeInfo(node.name, tuple(reads), last_user, _lookups(node, param_of)))
-    return CapturedGraph(body=body, nodes=tuple(nodes), params=params, blocks=find_blocks(body))
+    return CapturedGraph(
+        body=body, nodes=tuple(nodes), params=params, blocks=find_blocks(body), sealed=_sealed(body)
+    )
+
+
+def _unbacked(value: object) -> set:
+    try:
+        return set(free_unbacked_symbols(value))
+    except Exception:  # noqa: BLE001 - a value the helper does not know: no sizes of its own
+        return set()
+
+
+def _sealed(body: Sequence[fx.Node]) -> tuple[tuple[int, int], ...]:
+    """Spans of ``body`` from the node that makes a data-dependent size (an unbacked symbol,
+    as ``nonzero`` or a boolean-mask index does) to the last node that reads a value of that
+    size. Inductor compiles a piece only if every such size it makes leaves it as the size of
+    an output, so a cut inside such a span fails (``PendingUnbackedSymbolNotFound``)."""
+    index = {n: i for i, n in enumerate(body)}
+    first: dict[object, int] = {}
+    last: dict[object, int] = {}
+    for i, node in enumerate(body):
+        for sym in _unbacked(node.meta.get("example_value")):
+            first.setdefault(sym, i)
+            last[sym] = i
+        for arg in node.all_input_nodes:
+            if arg in index:
+                for sym in _unbacked(arg.meta.get("example_value")):
+                    last[sym] = max(last.get(sym, i), i)
+        for user in node.users:
+            if user.op == "output":
+                for sym in _unbacked(node.meta.get("example_value")):
+                    last[sym] = len(body)
+    return tuple(sorted((first[s], last[s]) for s in first if last[s] > first[s]))
 
 
 #: Embedding lookups as TorchDynamo records them, and where each takes its table.

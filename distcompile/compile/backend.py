@@ -265,6 +265,11 @@ class GraphCompiler:
             owned_elsewhere=owned,
             costs=costs,
             blocks=captured.blocks,
+            # Sizes that follow the data: the whole graph is one piece. Inductor failed to compile
+            # a piece that held them when the graph was cut before it (torch 2.13: AOTAutograd's
+            # trace of the piece ended with PendingUnbackedSymbolNotFound), even with no cut
+            # inside any span; uncut, the graph compiles as it does under torch.compile.
+            sealed=((0, len(captured.nodes)),) if captured.sealed else (),
         )
         if costs is not None and t.costs is not None:
             planned_by = f"measured costs: {t.costs.describe()}"
@@ -329,6 +334,8 @@ class GraphCompiler:
         pieces = len(plan.compiled_pieces)
         if torch.is_grad_enabled():
             layout = f"{len(plan.segments)} segment(s), {len(plan.buckets)} bucket(s) ({planned_by})"
+            if captured.sealed:
+                layout += "; one piece: sizes in it follow the data (nonzero, a boolean-mask index)"
         else:  # its segments keep the training graph's cuts, but no bucket ever runs
             layout = (
                 f"{len(plan.segments)} segment(s); no gradients (inference graph), nothing to synchronize"

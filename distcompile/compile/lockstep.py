@@ -25,7 +25,11 @@ Algorithm
     * After a data-dependent break, the rest of that call compiles alone, unchecked; from then
       on (and from the start under ``find_unused_parameters=True``, DDP's own sign that the
       parameters used differ between steps and ranks) only the model's first graph must be
-      the same on every rank: a later one that differs is compiled alone, and the gradients
+      the same on every rank (under ``find_unused_parameters=True`` even that one is
+      compared, not required: when TorchDynamo skips the model's own forward, which it does
+      for a graph break inside a loop, such as ``if mask.any():`` over the experts of a
+      mixture, the first graph is the first expert a rank routes tokens to, and it
+      differs by data): a later one that differs is compiled alone, and the gradients
       travel in a bucket layout that does not depend on which graphs ran (frozen once,
       agreed by every rank: ``BucketRegistry.freeze_layout``, runtime/reducer.py). Every rank
       reaches the first such break in the same step, before its first backward.
@@ -78,6 +82,7 @@ class Lockstep:
         # Graphs may differ by data (find_unused_parameters=True, or a data-dependent break seen):
         # only the model's first graph must agree; later ones are compared, not required equal.
         self.data_dependent = differ
+        self._declared = differ  # find_unused_parameters=True: even the first graph may differ
         self._after_break = False  # in this call, after a data-dependent break
         self._step = -1
         self._k = 0
@@ -120,7 +125,7 @@ class Lockstep:
         self.name = f"{step}_{self._k}{retry}"
         recompile = recompile or again
         summary = "\n".join(structure(captured)) + "\nplan:\n" + plan.describe()
-        if step == 0 and not recompile and (not self.data_dependent or self._k == 1):
+        if step == 0 and not recompile and (not self.data_dependent or (self._k == 1 and not self._declared)):
             check_agreement(
                 default_store(),
                 key,

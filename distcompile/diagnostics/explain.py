@@ -159,7 +159,13 @@ def explain(
     def record(gm: fx.GraphModule, inputs: list) -> object:
         captured = read_graph(gm, inputs, names_by_id)
         plan = plan_graph(
-            captured.nodes, param_bytes, bucket_cap=cap, first_bucket_cap=first, owned_elsewhere=owned
+            captured.nodes,
+            param_bytes,
+            bucket_cap=cap,
+            first_bucket_cap=first,
+            owned_elsewhere=owned,
+            blocks=captured.blocks,
+            sealed=captured.sealed,
         )
         owned.update(plan.first_use)
         reads = tuple(n for n in param_bytes if n in plan.first_use or n in plan.foreign)

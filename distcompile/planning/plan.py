@@ -195,6 +195,7 @@ def plan_graph(
     owned_elsewhere: Iterable[str] = (),
     costs: GraphCosts | None = None,
     blocks: Blocks = (),
+    sealed: Sequence[tuple[int, int]] = (),
 ) -> Plan:
     """Plan segments and buckets for one forward graph (see Note [Planning segments and buckets together]).
 
@@ -209,6 +210,9 @@ def plan_graph(
         blocks: Groups of structurally identical blocks as node ranges (from
             ``capture.blocks``): segments are cut so that they stay identical, and each
             becomes its own piece (Note [Repeated blocks]).
+        sealed: ``(first, last)`` node ranges that no segment or piece may split (a size
+            that follows the data, made at ``first`` and read up to ``last``); blocks that
+            would be cut inside one are not made pieces of their own.
 
     Example:
         >>> nodes = [NodeInfo("l1", ("w1",), 1), NodeInfo("l2", ("w2",), 2)]
@@ -238,8 +242,12 @@ def plan_graph(
 
     n = len(nodes)
     firsts_bytes = [sum(param_bytes[p] for p in firsts_at.get(i, ())) for i in range(n)]
+    closed = {p for first, last in sealed for p in range(first + 1, last + 1)}
+    blocks = [g for g in blocks if not any(a in closed or b in closed for a, b in g)]
     inner = [_inner_cuts(nodes, firsts_bytes, group[0], bucket_cap) for group in blocks]
     allowed = allowed_cuts(n, blocks, inner) if blocks else None
+    if closed:
+        allowed = (allowed if allowed is not None else set(range(n + 1))) - closed
     if costs is None:
         starts = _starts_by_cap(nodes, firsts_bytes, bucket_cap, first_bucket_cap, allowed)
     else:

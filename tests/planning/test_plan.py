@@ -262,3 +262,35 @@ def test_cost_plan_accounts_for_a_compressed_tail() -> None:
     assert full.buckets[-1].params == ("emb",)
     assert half.buckets[-1].nbytes > full.buckets[-1].nbytes
     assert len(half.segments) < len(full.segments)
+
+
+def test_no_cut_splits_a_sealed_span_and_blocks_across_one_are_not_pieces() -> None:
+    # Eight nodes, one parameter each, a cap of one parameter: a cut everywhere, except where a
+    # data-dependent size made at node 2 is read up to node 5 (Note [Graphs that differ by data]).
+    nodes = [NodeInfo(f"n{i}", (f"w{i}",), i + 1) for i in range(8)]
+    sizes = {f"w{i}": 4 for i in range(8)}
+    free = plan_graph(nodes, sizes, bucket_cap=4, first_bucket_cap=4)
+    assert [a for a, _ in free.segments] == list(range(8))
+    sealed = plan_graph(nodes, sizes, bucket_cap=4, first_bucket_cap=4, sealed=[(2, 5)])
+    assert [a for a, _ in sealed.segments] == [0, 1, 2, 6, 7]
+    blocks = [[(1, 3), (3, 5)]]  # their boundaries fall inside the span: not pieces of their own
+    assert plan_graph(nodes, sizes, blocks=blocks, sealed=[(2, 5)]).pieces == ((0, 8),)
+    assert plan_graph(nodes, sizes, blocks=blocks).pieces == ((0, 1), (1, 3), (3, 5), (5, 8))
+
+
+def test_spans_of_data_dependent_sizes_are_read_from_the_captured_graph() -> None:
+    from tests.models import MaskMoE
+
+    seen: list = []
+
+    def backend(gm: fx.GraphModule, example_inputs: list) -> object:
+        seen.append(read_graph(gm, example_inputs, {}))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
+        torch.compile(MaskMoE(check=False), backend=backend)(torch.zeros(8, 64))
+    (captured,) = seen
+    assert len(captured.sealed) == 4, captured.sealed  # h[m] -> expert -> out[m] = ..., per expert
+    for first, last in captured.sealed:
+        assert "getitem" in str(captured.body[first].target) and "setitem" in str(captured.body[last].target)

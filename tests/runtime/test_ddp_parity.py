@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests import ddp_workers
+from tests import ddp_workers, workers
 from tests.harness import run_ranks
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -172,6 +172,37 @@ def test_a_routed_mixture_of_experts_whose_graphs_differ_by_data(
         used = [r["experts_used"] for r in results]
         assert any(len({tuple(u[step]) for u in used}) > 1 for step in range(4)), used
         assert any(len(u[step]) < 4 for u in used for step in range(4)), used  # some expert unused
+
+
+@pytest.mark.parametrize(
+    ("model", "backend", "case", "world"),
+    [
+        ("mask_moe", "aot_eager", "plain", 2),
+        ("mask_moe", "aot_eager", "plain", 3),
+        pytest.param("mask_moe", "inductor", "plain", 2, marks=pytest.mark.slow),
+        pytest.param("mask_moe", "inductor", "plain", 3, marks=pytest.mark.slow),
+        pytest.param("mask_moe", "inductor", "dynamic_shapes", 2, marks=pytest.mark.slow),
+        pytest.param("mask_moe_unchecked", "inductor", "capture_dynamic", 2, marks=pytest.mark.slow),
+    ],
+)
+def test_experts_chosen_by_boolean_masks_train_as_eager_ddp(
+    model: str, backend: str, case: str, world: int
+) -> None:
+    """``m = route == e; if m.any(): out[m] = expert(h[m])`` with two token types per rank: the
+    loop's graph break makes TorchDynamo skip the forward, so each rank's first graph is the
+    first expert it routes to (a DesyncError before; Note [Graphs that differ by data]). With
+    ``capture_dynamic_output_shape_ops`` the forward is one graph holding ``nonzero``, whose
+    data-dependent sizes no piece boundary may split (Inductor failed with
+    ``PendingUnbackedSymbolNotFound`` before)."""
+    results = run_ranks(workers.parity, world, model, backend, case, timeout=600)
+    tol = (1e-4, 1e-5) if backend == "aot_eager" else (1e-3, 1e-4)
+    for res in results:
+        np.testing.assert_allclose([b for _, b in res["losses"]], [a for a, _ in res["losses"]], *tol)
+        for a, b in zip(res["params"], res["ref_params"]):
+            np.testing.assert_allclose(a, b, *tol)
+    for res in results[1:]:
+        for a, b in zip(res["params"], results[0]["params"]):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_a_second_backward_accumulates_as_under_eager_ddp() -> None:
