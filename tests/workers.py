@@ -576,3 +576,32 @@ def raises_once(rank: int, world: int) -> dict:
         first = str(exc)
     model(torch.randn(4, 64)).sum().backward()
     return {"first": first, "calls": model.module.calls, "regions_kept": model._unmark is not None}
+
+
+def retain_graph_after_warm_cache(rank: int, world: int, folder: str, donated: bool) -> dict:
+    """A step that warms this rank's compile cache, then, in a fresh capture that loads every
+    piece from it, a step with ``backward(retain_graph=True)`` and a second backward."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, str(rank))
+    torch._functorch.config.donated_buffer = donated
+    torch.manual_seed(0)
+    base = BUILDERS["mlp_seq"]()
+    x, y = batch("mlp_seq", rank, 0)
+    options = {"backend": "inductor", "share_compiles": False}  # each rank its own cache hits
+    warm = distcompile.wrap(DDP(copy.deepcopy(base), bucket_cap_mb=0.05), **options)
+    loss_fn("mlp_seq", warm(x), y).backward()
+    warm.close()
+    torch._dynamo.reset()
+    ref = DDP(copy.deepcopy(base), bucket_cap_mb=0.05)
+    ours = distcompile.wrap(DDP(copy.deepcopy(base), bucket_cap_mb=0.05), **options)
+    out: dict = {"error": None}
+    for model, key in ((ref, "ref"), (ours, "ours")):
+        loss = loss_fn("mlp_seq", model(x), y)
+        try:
+            loss.backward(retain_graph=True)
+            loss.backward()  # DDP synchronizes the first only; the second accumulates locally
+        except distcompile.ConfigError as exc:
+            out["error"] = str(exc)
+            break
+        out[key] = [p.grad.detach().clone() for p in model.parameters()]
+    out["cache_hits"] = sum(g.cache_hits for g in ours.graphs)
+    return out

@@ -126,6 +126,8 @@ class GraphCompiler:
         self.registry = registry
         self.observer = observer
         self.records: list[GraphRecord] = []
+        # graph id -> what is known of each compiled piece's backward (retain_graph: wrappers.recording)
+        self.donations: dict[int, list[compat.BackwardDonation]] = {}
         self._guard_failures: list[str] = []
         self._doing = ""
         self._calls = 0
@@ -229,7 +231,8 @@ class GraphCompiler:
             raise compile_failure(
                 self.target.rank, doing, self.target.config.backend, exc, extra=explain
             ) from exc
-        return recording(compiled, self.registry, graph_id, self.target.config.backend)
+        donations = self.donations.get(graph_id, [])
+        return recording(compiled, self.registry, graph_id, self.target.config.backend, donations)
 
     def _abandon(self) -> None:
         if self._together and self.lockstep.name:  # peers waiting for this rank's share: stop
@@ -350,12 +353,17 @@ class GraphCompiler:
             recompile_note(reasons),
         )
         segment_s: list[float] = []
+        self.donations[graph_id] = donations = []
+        seen: set[int] = set()
 
         def timed_compiler(piece: fx.GraphModule, inputs: list) -> Callable:
             self._doing = f"compiling piece {len(segment_s)} of {pieces}"
-            start = time.perf_counter()
+            start, hits = time.perf_counter(), compat.compile_cache_hits()
             try:
-                return self._compiler(piece, inputs)
+                compiled = self._compiler(piece, inputs)
+                hit = compat.compile_cache_hits() > hits
+                donations.append(compat.piece_donation(cache_hit=hit, seen=seen))
+                return compiled
             finally:
                 segment_s.append(time.perf_counter() - start)
 

@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 from .. import _torch_compat as compat
-from .._errors import UnsupportedModelError
+from .._errors import ConfigError, UnsupportedModelError
 from ..planning.split import Part, SplitPlan
 
 __all__ = ["PartTaker", "divert_parts", "recording"]
@@ -101,8 +101,15 @@ def divert_parts(
     return compiled
 
 
-def _no_double_backward(backend: str) -> Callable[[object], None]:
+def _checks(
+    backend: str, graph_id: int, donations: list[compat.BackwardDonation]
+) -> Callable[[object], None]:
+    """A pre-hook for the graph's last backward node: what AOTAutograd's compiled backward
+    would refuse with torch's internals for a message, refused with the fix."""
+    ran = [False]  # whether a backward of this graph ran before (a lazy backward compiles at the first)
+
     def check(grad_outputs: object) -> None:
+        first, ran[0] = not ran[0], True
         if torch.is_grad_enabled():  # the engine enables it for backward(create_graph=True) only
             raise UnsupportedModelError(
                 "a backward with create_graph=True (a gradient penalty: autograd.grad(..., "
@@ -112,18 +119,40 @@ def _no_double_backward(backend: str) -> Callable[[object], None]:
                 "backward can be differentiated; buckets and overlap are the same), or compute the "
                 "penalty outside the wrapped model."
             )
+        if donations and compat.backward_keeps_graph():
+            bad = [(k, d) for k, d in enumerate(donations) if d.donates(first_backward=first)]
+            if bad:
+                k, d = bad[0]
+                raise ConfigError(
+                    f"backward(retain_graph=True) reached graph {graph_id}, whose compiled backward "
+                    f"(piece {k}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}) writes its results into "
+                    f"the memory of saved activations (AOTAutograd's donated buffers): it was {d.how}, for "
+                    "a backward that frees the graph, and a second backward would read overwritten values "
+                    "(torch refuses it too). Set torch._functorch.config.donated_buffer = False before the "
+                    "first step (the cost: such backwards allocate their results instead of reusing "
+                    "freed activations, a little more peak memory in backward), or retain the graph from "
+                    "the first backward on with an empty compile cache and wrap(..., share_compiles=False)."
+                )
 
     return check
 
 
-def recording(compiled: Callable, registry: object, graph_id: int, backend: str) -> Callable:
+def recording(
+    compiled: Callable,
+    registry: object,
+    graph_id: int,
+    backend: str,
+    donations: list[compat.BackwardDonation] | None = None,
+) -> Callable:
     """``compiled``, telling ``registry`` (the reducer) each time it runs with gradients, and
-    refusing a double backward through AOTAutograd's compiled backward with the fix.
+    refusing, with the fix, a double backward through AOTAutograd's compiled backward and a
+    ``retain_graph=True`` backward through one that reuses its saved buffers (``donations``:
+    one entry per compiled piece; ``_torch_compat/donation.py``).
 
     Example:
-        >>> # the backend returns recording(compiled, reducer, graph_id, "inductor") to TorchDynamo
+        >>> # the backend returns recording(compiled, reducer, graph_id, "inductor", donations) to TorchDynamo
     """
-    check = _no_double_backward(backend) if backend != "eager" else None
+    check = _checks(backend, graph_id, donations or []) if backend != "eager" else None
 
     # TorchDynamo calls a backend's result with positional tensors (never boxed).
     def run(*args: object) -> object:

@@ -245,3 +245,21 @@ def test_repeated_blocks_stay_regions_when_they_can() -> None:
 def test_an_error_after_a_graph_ran_is_not_retried_without_regions() -> None:
     for res in run_ranks(workers.raises_once, 2):
         assert res == {"first": "bad first batch", "calls": 2, "regions_kept": True}, res
+
+
+@pytest.mark.long  # two Inductor compiles per rank (about 60 s each on 2 cores)
+@pytest.mark.parametrize("donated", [True, False])
+def test_retain_graph_after_a_warm_cache_is_a_clear_error_or_right(tmp_path, donated: bool) -> None:
+    """Pieces loaded from the compile cache were compiled for a backward that frees the graph
+    (donated buffers): retain_graph=True there is our ConfigError naming the fix (torch's own
+    RuntimeError before), and with that fix (donated_buffer=False) the gradients are eager DDP's."""
+    results = run_ranks(workers.retain_graph_after_warm_cache, 2, str(tmp_path), donated, timeout=900)
+    for res in results:
+        assert res["cache_hits"] > 0, res
+        if donated:
+            assert res["error"] is not None, "expected distcompile's error, got gradients"
+            assert "donated_buffer = False" in res["error"] and "loaded from the compile cache" in res["error"]
+            continue
+        assert res["error"] is None, res["error"]
+        for a, b in zip(res["ours"], res["ref"]):
+            np.testing.assert_allclose(a, b, *TOL["inductor"])

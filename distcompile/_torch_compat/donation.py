@@ -1,0 +1,98 @@
+"""Whether a compiled piece's backward reuses its saved buffers (AOTAutograd's donated buffers).
+
+AOTAutograd lets a compiled backward write its results into the memory of saved
+activations it no longer needs (``bw_donated_idxs``), which is only right if the graph is
+freed after that backward. A backward compiled lazily at its first run looks at that run:
+under ``retain_graph=True`` it is compiled without donation. One compiled before any
+backward ran (with its forward, to share it between ranks) or loaded from the compile
+cache was compiled for a backward that frees its graph, and torch refuses
+``retain_graph=True`` there ("non-empty donated buffers"). These helpers let distcompile
+say so first, naming the fix (``wrappers.recording``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["BackwardDonation", "backward_keeps_graph", "piece_donation"]
+
+
+@dataclass
+class BackwardDonation:
+    """What is known about one compiled piece's backward.
+
+    Attributes:
+        meta: AOTAutograd's forward metadata of the piece, whose ``bw_donated_idxs`` the lazy
+            backward compile empties under ``retain_graph=True``; ``None`` when the piece
+            came from a cache (nothing to read: taken as compiled for a plain backward).
+        lazy: The backward compiles at its first run.
+    """
+
+    meta: object | None
+    lazy: bool
+
+    @property
+    def how(self) -> str:
+        """How the piece's backward was made, for an error message."""
+        if self.meta is None:
+            return "loaded from the compile cache"
+        if not self.lazy:
+            return "compiled with its forward (to share it between ranks)"
+        return "compiled at an earlier backward that did not retain the graph"
+
+    def donates(self, *, first_backward: bool) -> bool:
+        """Whether a backward now, with the graph retained, would reach donated buffers.
+
+        Checked: 2.13 (``torch._functorch.config.donated_buffer``, ``bw_donated_idxs``).
+
+        Example:
+            >>> BackwardDonation(None, lazy=False).donates(first_backward=True) == torch._functorch.config.donated_buffer
+            True
+        """
+        if not torch._functorch.config.donated_buffer:
+            return False
+        if self.meta is None:
+            return True
+        if self.lazy and first_backward:  # it compiles now, for a retained graph: no donation
+            return False
+        return bool(getattr(self.meta, "bw_donated_idxs", None))
+
+
+def piece_donation(*, cache_hit: bool, seen: set[int]) -> BackwardDonation:
+    """What the compile that just returned left to know about its backward. ``seen``: the ids of
+    metadata objects earlier pieces returned (a stale one means this piece set none).
+
+    Checked: 2.13 (``TracingContext.fw_metadata``; ``None`` after a cache hit).
+
+    Example:
+        >>> piece_donation(cache_hit=True, seen=set()).meta is None
+        True
+    """
+    from torch._guards import TracingContext
+
+    from .pieces import backward_compiled_eagerly
+
+    context = TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None) if context is not None else None
+    if cache_hit or meta is None or id(meta) in seen:
+        meta = None
+    else:
+        seen.add(id(meta))
+    return BackwardDonation(meta, lazy=not backward_compiled_eagerly())
+
+
+def backward_keeps_graph() -> bool:
+    """Whether the backward running now retains its graph (``retain_graph=True``).
+
+    Checked: 2.13 (``torch._C._autograd._get_current_graph_task_keep_graph``).
+
+    Example:
+        >>> isinstance(backward_keeps_graph(), bool)  # meaningful inside a backward only
+        True
+    """
+    try:
+        return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+    except (AttributeError, RuntimeError):
+        return False
