@@ -85,8 +85,13 @@ class Config:
         detect_nonfinite: After each step's all-reduce, check the gradients for NaN/Inf
             and raise :class:`distcompile.NonFiniteGradientError` naming the step, bucket
             and parameters (one reduction per bucket).
-        verify: Check the compiled model against eager DDP on the first training step
-            and on the first after each recompile (Note [First-step self-check] in
+        verify: ``"forward"`` (the default): on the first training step and the first after
+            each recompile, run the forward eagerly, as captured and compiled from the same
+            state and compare the outputs (Note [First-step forward check] in
+            ``runtime/forward_check.py``; two more forwards in those steps, no backward); a
+            difference raises :class:`distcompile.VerificationError` naming the graphs and
+            the regions in use. ``True``: the full check against eager DDP in the same steps
+            (Note [First-step self-check] in
             ``runtime/verify.py``): gradients within ``verify_tolerance``, parameters
             untouched by backward, buffers and outputs alike, ranks in agreement; a
             difference raises :class:`distcompile.VerificationError` naming the graph,
@@ -94,9 +99,11 @@ class Config:
             eagerly beside the compiled one (memory and time: see the Note); other steps
             cost nothing. Inductor then draws random numbers from torch's generator
             (``fallback_random``), as eager does, so that dropout masks are the same.
-        verify_tolerance: Largest gradient difference ``verify`` accepts, relative to the
-            parameter's largest eager gradient. ``None``: 1e-3, or 2e-2 when gradients
-            are rounded to 16 bits (half-precision parameters, autocast, compression).
+            ``False``: no check.
+        verify_tolerance: Largest difference ``verify`` accepts, relative to the largest
+            eager value (a parameter's gradient, an output). ``None``: 1e-3 (1e-4 for the
+            captured forward), or 2e-2 in 16-bit precision (half-precision parameters,
+            autocast, compression).
         desync_timeout_s: Seconds to wait for every rank to publish its plan before
             raising :class:`distcompile.DesyncError`.
         logdir: Directory for telemetry: TensorBoard scalars, text and a timeline picture
@@ -128,7 +135,7 @@ class Config:
     recompile: str = "allow"
     check_params: bool = True
     detect_nonfinite: bool = False
-    verify: bool = False
+    verify: bool | str = "forward"
     verify_tolerance: float | None = None
     desync_timeout_s: float = 60.0
     logdir: str | os.PathLike | None = None
@@ -175,6 +182,11 @@ class Config:
             )
         if self.recompile not in ("allow", "error"):
             raise ConfigError(f"recompile={self.recompile!r} must be 'allow' or 'error'.")
+        if self.verify not in (True, False, "forward"):
+            raise ConfigError(
+                f"verify={self.verify!r}: use 'forward' (the default first-step check of the forward), "
+                "True (the full check against eager DDP, gradients included) or False (no check)."
+            )
         if self.verify_tolerance is not None and not self.verify_tolerance > 0:
             raise ConfigError(f"verify_tolerance={self.verify_tolerance!r} must be > 0 (or None).")
         if not self.desync_timeout_s > 0:

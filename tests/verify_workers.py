@@ -116,3 +116,30 @@ def backward_compile_fails(rank: int, world: int) -> str:
     except distcompile.CompileError as exc:
         return str(exc)
     return "no error"
+
+
+def forward_check_run(
+    rank: int, world: int, model_name: str, backend: str, inject: str = "", steps: int = 3
+) -> dict:
+    """Train ``steps`` steps under ``wrap``'s defaults (the first-step forward check); return
+    how many steps were checked or the error's text. ``inject``: ``"misreuse"`` (every
+    repeated block counts as alike, so blocks that differ share one region trace),
+    ``"lengths"`` (sequence lengths 16, 9, 12: two recompiles)."""
+    if inject == "misreuse":
+        import distcompile.capture.regions as regions
+
+        regions.likeness_key = lambda block: ()  # this rank's process only
+    torch.manual_seed(0)
+    model = distcompile.wrap(DDP(BUILDERS[model_name]()), backend=backend, dynamic=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    try:
+        for step in range(steps):
+            x, y = batch(model_name, rank, step)
+            if inject == "lengths":
+                x, y = _seq_len(x, y, (16, 9, 12)[step % 3], mark=False)
+            loss_fn(model_name, model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    except distcompile.VerificationError as exc:
+        return {"error": str(exc), "step": step, "checked": model._check.checked}
+    return {"error": None, "checked": model._check.checked, "graphs": len(model.graphs)}

@@ -181,6 +181,10 @@ def mark_repeated_blocks(module: nn.Module) -> Callable[[], None] | None:
         for block, cls in swapped:
             block.__class__ = cls
 
+    names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+    unmark.regions = "; ".join(  # type: ignore[attr-defined]  # for error messages
+        f"{len(g)} {type(g[0]).__name__} blocks ({names[id(g[0])]} ... {names[id(g[-1])]})" for g in groups
+    )
     return unmark
 
 

@@ -16,6 +16,7 @@ the trace", "skip this frame": ``compat.dynamo_control_flow``), which goes back 
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -30,19 +31,19 @@ from .._agreement import default_store
 from .._config import Config
 from .._errors import CompileError, DistCompileError, RecompileError
 from ..capture.breaks import graph_break_reason, is_data_dependent
-from ..capture.flops import node_flops
-from ..capture.graph import CapturedGraph, lookup_indices, read_graph
+from ..capture.graph import CapturedGraph, read_graph
 from ..capture.guards import condense_guard_failures, recompile_note
 from ..capture.regions import inline_regions
 from ..planning.costs import CostModel
-from ..planning.plan import GraphCosts, Plan, plan_graph
+from ..planning.plan import Plan, plan_graph
 from ..planning.split import SplitPlan, split_shared
 from .failures import compile_failure
 from .lockstep import Lockstep
+from .pricing import graph_costs
 from .record import GraphRecord
 from .segments import inner_compiler, split_and_compile
 from .sharing import CompileSharing
-from .wrappers import divert_parts, recording
+from .wrappers import AsCaptured, divert_parts, recording
 
 __all__ = ["BucketRegistry", "CompileObserver", "CompileTarget", "GraphCompiler"]
 
@@ -128,6 +129,7 @@ class GraphCompiler:
         self.records: list[GraphRecord] = []
         # graph id -> what is known of each compiled piece's backward (retain_graph: wrappers.recording)
         self.donations: dict[int, list[compat.BackwardDonation]] = {}
+        self.as_captured = AsCaptured()  # Note [First-step forward check]
         self._guard_failures: list[str] = []
         self._doing = ""
         self._calls = 0
@@ -160,7 +162,7 @@ class GraphCompiler:
             mode=config.mode,
             cudagraphs=config.cudagraphs,
             dynamic=config.dynamic,
-            fallback_random=config.verify,  # Note [First-step self-check]: eager's random numbers
+            fallback_random=config.verify is True,  # Note [First-step self-check]: eager's random numbers
             on_backward_error=self._backward_error,
         )
 
@@ -186,6 +188,8 @@ class GraphCompiler:
             hits_before = compat.compile_cache_hits()
             reasons = self._take_recompile_reasons()
             captured, plan, planned_by = self._plan(gm, example_inputs)
+            # As captured (regions inlined), before compiling can rewrite it: the forward check's run.
+            as_captured = fx.GraphModule(gm, copy.deepcopy(gm.graph))
             self._doing = "checking that every rank captured the same graph"
             together = self.lockstep.agree(
                 captured, plan, step=self.registry.steps, what=f"graph {graph_id}", recompile=bool(reasons)
@@ -232,7 +236,14 @@ class GraphCompiler:
                 self.target.rank, doing, self.target.config.backend, exc, extra=explain
             ) from exc
         donations = self.donations.get(graph_id, [])
-        return recording(compiled, self.registry, graph_id, self.target.config.backend, donations)
+        return recording(
+            compiled,
+            self.registry,
+            graph_id,
+            self.target.config.backend,
+            donations,
+            captured=(as_captured, self.as_captured),
+        )
 
     def _abandon(self) -> None:
         if self._together and self.lockstep.name:  # peers waiting for this rank's share: stop
@@ -259,7 +270,17 @@ class GraphCompiler:
         self._doing = "planning segments and buckets"
         param_bytes = {n: p.numel() * p.element_size() for n, p in captured.params.items()}
         owned = self.registry.claimed()  # parameters an earlier graph of this step buckets
-        costs = self._graph_costs(gm, example_inputs, captured, first_graph=not owned)
+        costs = graph_costs(
+            t.costs,
+            gm,
+            example_inputs,
+            captured,
+            first_graph=not owned,
+            compressed=t.compression is not None,
+            tail_only=t.config.compression_scope == "tail",
+            ranks=len(t.ranks),
+            rows=self._splits,
+        )
         plan = plan_graph(
             captured.nodes,
             param_bytes,
@@ -282,45 +303,6 @@ class GraphCompiler:
                 f"bucket caps: {t.bucket_cap / mib:g} MiB, first bucket {t.first_bucket_cap / mib:g} MiB"
             )
         return captured, plan, planned_by
-
-    def _graph_costs(
-        self, gm: fx.GraphModule, example_inputs: list, captured: CapturedGraph, *, first_graph: bool
-    ) -> GraphCosts | None:
-        t = self.target
-        if t.costs is None:
-            return None
-        try:
-            flops = node_flops(gm, example_inputs, captured.body)
-        except Exception as exc:  # noqa: BLE001 - the graph is still planned, by DDP's caps
-            # Deterministic for a given graph, so every rank falls back alike (and the
-            # plan agreement check would say so if not).
-            log.warning(
-                "bucket_cap_mb='auto': cannot count this graph's FLOPs (%s: %s); planning it with "
-                "DDP's bucket caps instead",
-                type(exc).__name__,
-                exc,
-            )
-            return None
-        # 16-bit compression halves the bytes on the wire: of every bucket, or of the tail
-        # alone, which is the first segment of the step's first graph.
-        half = 0.5 if t.compression else 1.0
-        tail = half if first_graph or t.config.compression_scope != "tail" else 1.0
-        wire = 1.0 if t.config.compression_scope == "tail" else half
-        return t.costs.graph_costs(
-            flops,
-            wire_scale=wire,
-            tail_wire_scale=tail,
-            rows_nbytes=self._rows_nbytes(captured) if self._splits else None,
-        )
-
-    def _rows_nbytes(self, captured: CapturedGraph) -> dict[str, int]:
-        # Bytes of the rows a step looks up in each table, over all ranks (at most the table).
-        out = {}
-        for name, count in lookup_indices(captured).items():
-            table = captured.params[name]
-            row = table.numel() // max(table.shape[0], 1) * table.element_size() if table.dim() else 0
-            out[name] = min(table.numel() * table.element_size(), count * len(self.target.ranks) * row)
-        return out
 
     def _compile(
         self,

@@ -13,8 +13,9 @@ and the gradient flows on as usual.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import fx
@@ -23,7 +24,7 @@ from .. import _torch_compat as compat
 from .._errors import ConfigError, UnsupportedModelError
 from ..planning.split import Part, SplitPlan
 
-__all__ = ["PartTaker", "divert_parts", "recording"]
+__all__ = ["AsCaptured", "PartTaker", "divert_parts", "recording"]
 
 log = logging.getLogger(__name__)
 
@@ -137,17 +138,42 @@ def _checks(
     return check
 
 
+class AsCaptured:
+    """While active (``with as_captured():``), each compiled graph of a model runs as the FX graph
+    TorchDynamo captured, uncompiled, and the reducer is not told (Note [First-step forward check]).
+
+    Example:
+        >>> switch = AsCaptured()
+        >>> with switch():
+        ...     switch.active
+        True
+    """
+
+    def __init__(self) -> None:
+        self.active = False
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+
 def recording(
     compiled: Callable,
     registry: object,
     graph_id: int,
     backend: str,
     donations: list[compat.BackwardDonation] | None = None,
+    captured: tuple[fx.GraphModule, AsCaptured] | None = None,
 ) -> Callable:
     """``compiled``, telling ``registry`` (the reducer) each time it runs with gradients, and
     refusing, with the fix, a double backward through AOTAutograd's compiled backward and a
     ``retain_graph=True`` backward through one that reuses its saved buffers (``donations``:
-    one entry per compiled piece; ``_torch_compat/donation.py``).
+    one entry per compiled piece; ``_torch_compat/donation.py``). ``captured``: the graph as
+    TorchDynamo captured it, run instead while its switch is active.
 
     Example:
         >>> # the backend returns recording(compiled, reducer, graph_id, "inductor", donations) to TorchDynamo
@@ -156,6 +182,8 @@ def recording(
 
     # TorchDynamo calls a backend's result with positional tensors (never boxed).
     def run(*args: object) -> object:
+        if captured is not None and captured[1].active:
+            return captured[0](*args)
         if not torch.is_grad_enabled():
             return compiled(*args)
         registry.record_graph(graph_id)  # type: ignore[attr-defined]

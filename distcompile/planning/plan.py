@@ -210,9 +210,8 @@ def plan_graph(
         blocks: Groups of structurally identical blocks as node ranges (from
             ``capture.blocks``): segments are cut so that they stay identical, and each
             becomes its own piece (Note [Repeated blocks]).
-        sealed: ``(first, last)`` node ranges that no segment or piece may split (a size
-            that follows the data, made at ``first`` and read up to ``last``); blocks that
-            would be cut inside one are not made pieces of their own.
+        sealed: ``(first, last)`` node ranges no segment or piece may split (a size made
+            from the data at ``first``, read up to ``last``).
 
     Example:
         >>> nodes = [NodeInfo("l1", ("w1",), 1), NodeInfo("l2", ("w2",), 2)]
@@ -242,21 +241,14 @@ def plan_graph(
 
     n = len(nodes)
     firsts_bytes = [sum(param_bytes[p] for p in firsts_at.get(i, ())) for i in range(n)]
-    closed = {p for first, last in sealed for p in range(first + 1, last + 1)}
-    blocks = [g for g in blocks if not any(a in closed or b in closed for a, b in g)]
-    inner = [_inner_cuts(nodes, firsts_bytes, group[0], bucket_cap) for group in blocks]
-    allowed = allowed_cuts(n, blocks, inner) if blocks else None
-    if closed:
-        allowed = (allowed if allowed is not None else set(range(n + 1))) - closed
+    blocks, inner, allowed = _cut_rules(nodes, firsts_bytes, blocks, sealed, bucket_cap)
     if costs is None:
         starts = _starts_by_cap(nodes, firsts_bytes, bucket_cap, first_bucket_cap, allowed)
     else:
         shared = _shared_uses(nodes, param_bytes, first_use, costs) if costs.split_shared else ()
         starts = starts_by_cost(nodes, firsts_bytes, costs, allowed, shared)
-    if len(starts) > 1:
-        first_stop = starts[1]
-        if not any(first_use[p] < first_stop for p in first_use):
-            starts.pop(1)  # a parameter-free preamble joins the next segment
+    if len(starts) > 1 and not any(first_use[p] < starts[1] for p in first_use):
+        starts.pop(1)  # a parameter-free preamble joins the next segment
     bounds = tuple(zip(starts, [*starts[1:], n])) if n else ((0, 0),)
 
     def segment_of(i: int) -> int:
@@ -278,6 +270,22 @@ def plan_graph(
         unused=tuple(p for p in param_bytes if p not in uses),
         pieces=piece_bounds(n, starts, blocks, inner, [x.last_user for x in nodes]) if n else bounds,
     )
+
+
+def _cut_rules(
+    nodes: Sequence[NodeInfo],
+    firsts_bytes: Sequence[int],
+    blocks: Blocks,
+    sealed: Sequence[tuple[int, int]],
+    bucket_cap: int,
+) -> tuple[list, list[list[int]], set[int] | None]:
+    # The block groups that stay pieces (none of their ends inside a sealed span), their inner
+    # cuts, and where a segment may start (None: anywhere).
+    closed = {p for first, last in sealed for p in range(first + 1, last + 1)}
+    blocks = [g for g in blocks if not any(a in closed or b in closed for a, b in g)]
+    inner = [_inner_cuts(nodes, firsts_bytes, group[0], bucket_cap) for group in blocks]
+    allowed = allowed_cuts(len(nodes), blocks, inner) if blocks or closed else None
+    return blocks, inner, None if allowed is None else allowed - closed
 
 
 def _inner_cuts(

@@ -23,6 +23,7 @@ from ..compile.record import GraphRecord
 from . import shutdown
 from .collectives import broadcast_coalesced
 from .ddp import Settings
+from .forward_check import ForwardCheck
 from .join import join_enabled, notify_join, sync_flag, take_last_joiner_state
 from .nesting import WRAPPERS, outer_data_parallel
 from .reducer import BucketReducer, StepObserver, StepStats
@@ -143,21 +144,7 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
             graphs_differ=settings.find_unused,
         )
         self._backend = GraphCompiler(target, registry=self._reducer, observer=observer)
-        self._check = (
-            StepCheck(
-                module,
-                params=params,
-                group=settings.group,
-                settle=self._reducer.finish_step,
-                where=self._where,
-                tolerance=config.verify_tolerance,
-                compressed=settings.compression is not None,
-                stepped=self._reducer.optimizers.stepped_ids,
-                hooked=lambda: self._reducer.comm_hook.name if self._reducer.comm_hook else "",
-            )
-            if config.verify
-            else None
-        )
+        self._check = self._first_step_check(config, settings, params)
         # dynamic=True: TorchDynamo (2.13, 2.15) fails region traces with every dimension dynamic.
         self._unmark = mark_repeated_blocks(module) if config.regions and config.dynamic is not True else None
         compiled = compat.compile_module(
@@ -205,13 +192,18 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
                 self.config.backend,
             )
         check = self._check if self._check is not None and self._check.pending else None
-        if check is not None and torch.is_grad_enabled():
+        if isinstance(check, StepCheck) and torch.is_grad_enabled():
             check.arm(args, kwargs, sync=sync)  # Note [First-step self-check]
-        else:
+        elif not torch.is_grad_enabled():
             check = None
         graphs = len(self.graphs)
         try:
-            out = self._call_compiled(args, kwargs)
+            if isinstance(check, ForwardCheck):  # Note [First-step forward check]
+                out = check.run(
+                    lambda: self.module(*args, **kwargs), lambda: self._call_compiled(args, kwargs)
+                )
+            else:
+                out = self._call_compiled(args, kwargs)
         except Exception as exc:
             # Peers blocked in an all-reduce with this rank can then name it.
             mark_failed(default_store(), self._store_prefix, self._rank, f"{type(exc).__name__}: {exc}")
@@ -221,9 +213,9 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
             if isinstance(inner, DistCompileError):
                 raise inner from inner.__cause__
             raise
-        if check is not None:
+        if isinstance(check, StepCheck):
             out = check.attach(out)
-        elif self._check is not None and len(self.graphs) > graphs:
+        elif check is None and self._check is not None and len(self.graphs) > graphs:
             self._check.pending = True  # a recompile: check the next training step
         return out
 
@@ -248,6 +240,39 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
             )
             self._drop_regions()
             return self._compiled(*args, **kwargs)
+
+    def _first_step_check(
+        self, config: Config, settings: Settings, params: dict[str, nn.Parameter]
+    ) -> StepCheck | ForwardCheck | None:
+        """``verify``'s check: the full one (True), the forward one ("forward"), or none."""
+        if config.verify == "forward":
+            return ForwardCheck(
+                self.module,
+                backend=config.backend,
+                tolerance=config.verify_tolerance,
+                as_captured=self._backend.as_captured,
+                describe=self._describe_check,
+            )
+        if not config.verify:
+            return None
+        return StepCheck(
+            self.module,
+            params=params,
+            group=settings.group,
+            settle=self._reducer.finish_step,
+            where=self._where,
+            tolerance=config.verify_tolerance,
+            compressed=settings.compression is not None,
+            stepped=self._reducer.optimizers.stepped_ids,
+            hooked=lambda: self._reducer.comm_hook.name if self._reducer.comm_hook else "",
+        )
+
+    def _describe_check(self) -> str:
+        """The graphs and regions a failed forward check is about."""
+        graphs = ", ".join(f"graph {r.graph_id} ({r.num_nodes} nodes)" for r in self.graphs) or "no graph"
+        regions = getattr(self._unmark, "regions", "")
+        used = f"nested compile regions in use: {regions}" if regions else "no nested compile regions in use"
+        return f"Captured so far: {graphs}; {used}."
 
     def _where(self, name: str) -> str:
         """The graph and segment whose backward produces parameter ``name``'s gradient."""

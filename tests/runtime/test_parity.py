@@ -258,7 +258,9 @@ def test_retain_graph_after_a_warm_cache_is_a_clear_error_or_right(tmp_path, don
         assert res["cache_hits"] > 0, res
         if donated:
             assert res["error"] is not None, "expected distcompile's error, got gradients"
-            assert "donated_buffer = False" in res["error"] and "loaded from the compile cache" in res["error"]
+            assert (
+                "donated_buffer = False" in res["error"] and "loaded from the compile cache" in res["error"]
+            )
             continue
         assert res["error"] is None, res["error"]
         for a, b in zip(res["ours"], res["ref"]):

@@ -55,3 +55,32 @@ def test_a_wrong_compiled_gradient_is_named() -> None:
         assert res["error"] is not None and res["step"] == 0, res
         assert "gradient of a.weight (graph 0, segment" in res["error"], res["error"]
         assert "gradient of b.weight" not in res["error"], res["error"]  # after the scaled op: right
+
+
+# -- the default first-step forward check (Note [First-step forward check]) -------------------
+
+
+def test_the_default_forward_check_catches_a_region_reused_for_a_block_it_does_not_fit() -> None:
+    for res in run_ranks(verify_workers.forward_check_run, 2, "unlike_blocks", "aot_eager", "misreuse"):
+        assert res["error"] is not None and res["step"] == 0, res
+        assert "as captured (uncompiled): output 0 differs" in res["error"], res["error"]
+        assert "nested compile regions in use: 2 _ActBlock blocks (blocks.0 ... blocks.1)" in res["error"]
+        assert "wrap(..., regions=False)" in res["error"] and "verify=False" in res["error"]
+
+
+def test_the_default_forward_check_catches_a_forward_that_differs_when_compiled() -> None:
+    for res in run_ranks(verify_workers.forward_check_run, 2, "diverges", "eager"):
+        assert res["error"] is not None and res["step"] == 0, res
+        assert "differs from eager's" in res["error"], res["error"]
+
+
+@pytest.mark.parametrize(("model", "backend"), [("gpt", "aot_eager"), ("convbn", "inductor")])
+def test_the_default_forward_check_passes_right_models_and_rechecks_after_recompiles(
+    model: str, backend: str
+) -> None:
+    inject = "lengths" if model == "gpt" else ""
+    for res in run_ranks(verify_workers.forward_check_run, 2, model, backend, inject):
+        assert res["error"] is None, res["error"]
+        # The first step, and the first after a call that compiled (lengths 16, 9, 12: the
+        # call at 12 is checked, and compiles its own graph inside the check).
+        assert res["checked"] == (2 if inject else 1), res

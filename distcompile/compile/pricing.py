@@ -1,0 +1,79 @@
+"""What a captured graph costs to run and to reduce, for ``bucket_cap_mb="auto"``.
+
+The planner chooses segments by simulating the schedule (``planning/search.py``); it
+needs each node's compute time and the bytes each bucket sends, which this module
+reads off the captured graph: FLOPs per node (``capture/flops.py``) priced by the
+measured compute speed, and, for embedding tables reduced by rows, the rows a step looks up.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import fx
+
+from ..capture.flops import node_flops
+from ..capture.graph import CapturedGraph, lookup_indices
+from ..planning.costs import CostModel
+from ..planning.plan import GraphCosts
+
+__all__ = ["graph_costs"]
+
+log = logging.getLogger(__name__)
+
+
+def graph_costs(
+    model: CostModel | None,
+    gm: fx.GraphModule,
+    example_inputs: list,
+    captured: CapturedGraph,
+    *,
+    first_graph: bool,
+    compressed: bool,
+    tail_only: bool,
+    ranks: int,
+    rows: bool,
+) -> GraphCosts | None:
+    """The costs the planner simulates for ``captured``; ``None`` when planning by DDP's caps
+    (no measured costs, or FLOPs that cannot be counted). ``compressed``: 16-bit compression,
+    of the tail bucket alone when ``tail_only``; ``rows``: tables may be reduced by rows.
+
+    Example:
+        >>> # graph_costs(model, gm, inputs, captured, first_graph=True, compressed=False,
+        >>> #             tail_only=False, ranks=8, rows=True)
+    """
+    if model is None:
+        return None
+    try:
+        flops = node_flops(gm, example_inputs, captured.body)
+    except Exception as exc:  # noqa: BLE001 - the graph is still planned, by DDP's caps
+        # Deterministic for a given graph, so every rank falls back alike (and the
+        # plan agreement check would say so if not).
+        log.warning(
+            "bucket_cap_mb='auto': cannot count this graph's FLOPs (%s: %s); planning it with "
+            "DDP's bucket caps instead",
+            type(exc).__name__,
+            exc,
+        )
+        return None
+    # 16-bit compression halves the bytes on the wire: of every bucket, or of the tail
+    # alone, which is the first segment of the step's first graph.
+    half = 0.5 if compressed else 1.0
+    tail = half if first_graph or not tail_only else 1.0
+    wire = 1.0 if tail_only else half
+    return model.graph_costs(
+        flops,
+        wire_scale=wire,
+        tail_wire_scale=tail,
+        rows_nbytes=_rows_nbytes(captured, ranks) if rows else None,
+    )
+
+
+def _rows_nbytes(captured: CapturedGraph, ranks: int) -> dict[str, int]:
+    # Bytes of the rows a step looks up in each table, over all ranks (at most the table).
+    out = {}
+    for name, count in lookup_indices(captured).items():
+        table = captured.params[name]
+        row = table.numel() // max(table.shape[0], 1) * table.element_size() if table.dim() else 0
+        out[name] = min(table.numel() * table.element_size(), count * ranks * row)
+    return out
