@@ -1,8 +1,10 @@
 """Check that every rank captured the same graph and made the same plan.
 
 A rank that captured a different graph would issue different collectives and hang the
-job. Each rank publishes a summary of what it compiled through the process group's
-key-value store and compares it with every other rank's, with a deadline.
+job. Each rank offers a digest of what it compiled through the process group's key-value
+store, with a deadline; texts travel only to explain a difference (Note [The control
+plane] in ``_store.py``: a bounded number of store operations a rank, whatever the
+number of ranks).
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ import difflib
 import json
 import logging
 import time
-from datetime import timedelta
 
 import torch.distributed as dist
 
 from . import _torch_compat as compat
 from ._errors import DesyncError
+from ._store import StoreTimeout, Verdict, agree, counted, digest
 
 __all__ = [
     "check_agreement",
@@ -47,7 +49,10 @@ def check_agreement(
     fix: str = "Ranks must capture identical graphs (same model code, same input shapes and dtypes, "
     "same parameters).",
 ) -> None:
-    """Publish ``summary`` under ``key`` and raise :class:`DesyncError` unless all ``ranks`` agree.
+    """Raise :class:`DesyncError` unless all ``ranks`` publish the same ``summary`` under ``key``.
+
+    Digests are compared, texts read only to explain a difference (Note [The control plane]
+    in ``_store.py``: 4 store operations a rank, the text sent once).
 
     Args:
         store: A store every rank reaches.
@@ -63,20 +68,21 @@ def check_agreement(
         >>> # check_agreement(default_store(), "wrap0/graph0", text, rank=r, ranks=[0, 1],
         >>> #                 timeout_s=60, what="graph 0")
     """
-    store.set(f"{key}/{rank}", summary)
-    keys = [f"{key}/{r}" for r in ranks]
     try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except Exception as exc:  # the store raises a timeout error type that differs across versions
-        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+        verdict = agree(
+            counted(store, "agreement"), key, summary, rank=rank, ranks=ranks, timeout_s=timeout_s
+        )
+    except StoreTimeout as exc:
         raise DesyncError(
-            f"rank {rank}: rank(s) {missing} did not compile {what} within {timeout_s:.0f} s "
-            "(desync_timeout_s). Those ranks either took a different code path before it "
-            "(Python control flow that differs between ranks, so TorchDynamo captured another "
-            "graph or none), are still compiling, or died. Make every rank run the same model "
-            "code, or raise desync_timeout_s if compiles are slow."
+            f"rank {rank}: rank(s) {exc.missing} did not compile {what} within {timeout_s:.0f} s "
+            "(desync_timeout_s). Those ranks either took a "
+            "different code path before it (Python control flow that differs between ranks, so "
+            "TorchDynamo captured another graph or none), are still compiling, or died. Make every "
+            "rank run the same model code, or raise desync_timeout_s if compiles are slow."
         ) from exc
-    _compare(store, summary, rank=rank, ranks=ranks, keys=keys, what=what, fix=fix)
+    if not verdict.same:
+        _raise_differs(verdict, summary, rank=rank, what=what, fix=fix)
+    log.debug("%s agrees across %d ranks", what, len(ranks))
 
 
 def compile_together(
@@ -94,65 +100,68 @@ def compile_together(
     """Whether every rank compiles this graph now, together; if so, their ``summary`` agree.
 
     A recompile after the first step may be one rank's alone (its inputs changed, the
-    others' did not). Each rank publishes ``summary`` under ``key`` and waits up to
-    ``wait_s`` for the others; the first rank that sees all of them records "together",
-    the first whose wait ends records "alone" (one atomic ``compare_set``: every rank reads
-    the same decision). Together, the summaries are compared (:class:`DesyncError` if they
-    differ, or with ``mismatch_ok`` alone) and the ranks may share the compile; alone, each
-    compiles by itself.
+    others' did not). Each rank offers its digest and counts itself in (Note [The control
+    plane]); the rank that completes the count records "together", the first whose wait of
+    ``wait_s`` ends records "alone" (one atomic ``compare_set``: every rank reads the same
+    decision, polling that one key). Together, the digests are compared
+    (:class:`DesyncError` if they differ, or with ``mismatch_ok`` no sharing) and the ranks
+    may share the compile; alone, each compiles by itself.
 
     Example:
         >>> # compile_together(default_store(), "wrap0/compile/3/0", text, rank=r, ranks=[0, 1],
         >>> #                  wait_s=5, what="graph 4", fix="...")
     """
-    store.set(f"{key}/{rank}", summary)
-    keys = [f"{key}/{r}" for r in ranks]
+    s = counted(store, "agreement")
+    mine = digest(summary)
+    first = s.compare_set(f"{key}/first", "", f"{mine} {rank}").decode()
+    same_as_first = first.partition(" ")[0] == mine
+    if not same_as_first:
+        s.add(f"{key}/ndiffer", 1)
+    if s.add(f"{key}/n", 1) == len(ranks):
+        s.compare_set(f"{key}/decision", "", "together")
     deadline = time.monotonic() + wait_s
-    while True:
-        if store.check(keys):
-            decision = store.compare_set(f"{key}/decision", "", "together")
-        elif time.monotonic() > deadline:
-            decision = store.compare_set(f"{key}/decision", "", "alone")
-        elif store.check([f"{key}/decision"]):
-            decision = store.get(f"{key}/decision")
-        else:
-            time.sleep(0.01)
-            continue
-        break
+    while True:  # one key, polled: the decision
+        if s.check([f"{key}/decision"]):
+            decision = s.get(f"{key}/decision")
+            break
+        if time.monotonic() > deadline:
+            decision = s.compare_set(f"{key}/decision", "", "alone")
+            break
+        time.sleep(0.01)
     if decision != b"together":
         log.debug(
             "%s: compiled by this rank alone (the others did not compile it within %.0f s)", what, wait_s
         )
         return False
-    if mismatch_ok:  # graphs that may differ by data: another graph here is no error, just no sharing
-        return all(store.get(k).decode() == summary for k in keys)
-    _compare(store, summary, rank=rank, ranks=ranks, keys=keys, what=what, fix=fix)
+    same = s.add(f"{key}/ndiffer", 0) == 0
+    if same or mismatch_ok:  # graphs that may differ by data: another graph here is no error, just no sharing
+        return same
+    verdict = agree(s, f"{key}/explain", summary, rank=rank, ranks=ranks, timeout_s=max(wait_s, 60))
+    if not verdict.same:
+        _raise_differs(verdict, summary, rank=rank, what=what, fix=fix)
     return True
 
 
-def _compare(
-    store: dist.Store, summary: str, *, rank: int, ranks: list[int], keys: list[str], what: str, fix: str
-) -> None:
-    for r, k in zip(ranks, keys):
-        other = store.get(k).decode()
-        if other != summary:
-            diff = "\n".join(
-                list(
-                    difflib.unified_diff(
-                        summary.splitlines(),
-                        other.splitlines(),
-                        f"rank {rank}",
-                        f"rank {r}",
-                        lineterm="",
-                        n=1,
-                    )
-                )[:40]
+def _raise_differs(verdict: Verdict, summary: str, *, rank: int, what: str, fix: str) -> None:
+    other = next((r for r in verdict.texts if r != rank), None)
+    theirs = verdict.texts.get(other, "") if other is not None else ""
+    diff = "\n".join(
+        list(
+            difflib.unified_diff(
+                summary.splitlines(), theirs.splitlines(), f"rank {rank}", f"rank {other}", lineterm="", n=1
             )
-            raise DesyncError(
-                f"rank {rank}: {what} differs between rank {rank} and rank {r}; continuing would "
-                f"issue mismatched all-reduces or train apart. {fix} First differences:\n{diff}"
-            )
-    log.debug("%s agrees across ranks %s", what, ranks)
+        )[:40]
+    )
+    others = [r for r in verdict.differing if r != rank] or [verdict.first]
+    more = (
+        f" (ranks differing from rank {verdict.first}: {verdict.differing[:8]})"
+        if len(verdict.differing) > 1
+        else ""
+    )
+    raise DesyncError(
+        f"rank {rank}: {what} differs between rank {rank} and rank {others[0]}{more}; continuing would "
+        f"issue mismatched all-reduces or train apart. {fix} First differences:\n{diff}"
+    )
 
 
 def layouts_agree(
@@ -161,43 +170,57 @@ def layouts_agree(
     """``groups`` (a bucket layout) if every rank published the same under ``key``, else ``None``.
 
     Once per wrapped model (its layout is frozen then); a rank that does not publish within
-    ``timeout_s`` is a :class:`DesyncError`.
+    ``timeout_s`` is a :class:`DesyncError`. Digests compared (Note [The control plane]).
 
     Example:
         >>> # layouts_agree(default_store(), "wrap0/layout", [["b.weight"], ["a.weight"]], rank=0, ranks=[0, 1], timeout_s=60)
     """
-    mine = json.dumps(groups)
-    store.set(f"{key}/{rank}", mine)
-    keys = [f"{key}/{r}" for r in ranks]
     try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except Exception as exc:  # the store's timeout error type differs across versions
-        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+        verdict = agree(
+            counted(store, "layout"),
+            key,
+            json.dumps(groups),
+            rank=rank,
+            ranks=ranks,
+            timeout_s=timeout_s,
+            explain=False,
+        )
+    except StoreTimeout as exc:
         raise DesyncError(
-            f"rank {rank}: rank(s) {missing} did not fix their gradient buckets within {timeout_s:.0f} s "
-            "(desync_timeout_s): they did not reach the same step, or took no data-dependent graph break "
-            "where this rank took one. Every rank must run the same model code."
+            f"rank {rank}: rank(s) {exc.missing} did not fix their gradient buckets within {timeout_s:.0f} s "
+            "(desync_timeout_s): they did not reach the "
+            "same step, or took no data-dependent graph break where this rank took one. Every rank must "
+            "run the same model code."
         ) from exc
-    same = all(store.get(k).decode() == mine for k in keys)
-    return groups if same else None
+    return groups if verdict.same else None
 
 
 def mark_failed(store: dist.Store, prefix: str, rank: int, what: str) -> None:
-    """Record that ``rank`` raised, so peers waiting on it can name it. Never raises."""
+    """Record that ``rank`` raised, so peers waiting on it can name it. Never raises.
+
+    One key for the whole job (``prefix/failed``, appended to): a peer reads it with one
+    ``get`` whatever the number of ranks.
+    """
     try:
-        store.set(f"{prefix}/failed/{rank}", what[:2000])
+        s = counted(store, "failure")
+        s.set(f"{prefix}/failed/{rank}", what[:2000])
+        s.append(f"{prefix}/failed", f"{rank};")
     except Exception:  # noqa: BLE001 - the store may be gone too; the original error matters more
         log.debug("could not record the failure of rank %d in the store", rank)
 
 
 def failed_ranks(store: dist.Store, prefix: str, ranks: list[int]) -> dict[int, str]:
-    """Ranks that recorded a failure under ``prefix``, with what they recorded."""
-    out = {}
-    for r in ranks:
-        key = f"{prefix}/failed/{r}"
-        try:
-            if store.check([key]):
-                out[r] = store.get(key).decode()
-        except Exception:  # noqa: BLE001 - a store that is down cannot tell us more
-            break
+    """Ranks of ``ranks`` that recorded a failure under ``prefix``, with what they recorded
+    (one ``check`` and one ``get`` when none failed, whatever the number of ranks)."""
+    out: dict[int, str] = {}
+    try:
+        s = counted(store, "failure")
+        if not s.check([f"{prefix}/failed"]):
+            return out
+        wanted = set(ranks)
+        for r in dict.fromkeys(int(x) for x in s.get(f"{prefix}/failed").decode().split(";") if x):
+            if r in wanted and len(out) < 16:
+                out[r] = s.get(f"{prefix}/failed/{r}").decode()
+    except Exception:  # noqa: BLE001 - a store that is down cannot tell us more
+        pass
     return out

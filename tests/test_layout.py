@@ -14,7 +14,7 @@ import distcompile
 
 ROOT = pathlib.Path(distcompile.__file__).parent
 
-LEAVES = {"_errors", "_config", "_log", "_torch_compat", "_agreement"}
+LEAVES = {"_errors", "_config", "_log", "_torch_compat", "_store", "_agreement"}
 CORE = {"planning", "capture", "compile", "runtime", "telemetry"}
 #: Unit -> the units it may import (a unit is a subpackage or a top-level module).
 ALLOWED: dict[str, set[str]] = {
@@ -22,7 +22,8 @@ ALLOWED: dict[str, set[str]] = {
     "_log": set(),
     "_config": {"_errors", "_torch_compat"},
     "_torch_compat": {"_errors"},
-    "_agreement": {"_errors", "_torch_compat"},
+    "_store": {"_torch_compat"},
+    "_agreement": {"_errors", "_torch_compat", "_store"},
     "planning": {"_errors"},
     "capture": LEAVES | {"planning"},
     "compile": LEAVES | {"planning", "capture"},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -17,6 +18,8 @@ __all__ = [
     "ddp_ignored_names",
     "ddp_uses_python_reducer",
     "default_store",
+    "store_get_within",
+    "store_wait",
     "is_fsdp_module",
     "join_config",
     "optimizer_in_backward_count",
@@ -71,6 +74,52 @@ def default_store() -> Any:
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
+
+
+def store_wait(store: Any, keys: list[str], timeout: timedelta) -> bool:
+    """Wait for ``keys`` in ``store``; False when ``timeout`` passed first (the store's timeout
+    error type differs across releases: ``DistStoreError`` since 2.4, a ``RuntimeError``
+    before). Checked: 2.11, 2.13, 2.15.
+
+    Example:
+        >>> s = torch.distributed.HashStore(); s.set("k", "v")
+        >>> store_wait(s, ["k"], timedelta(seconds=1))
+        True
+    """
+    try:
+        store.wait(keys, timeout)
+    except RuntimeError as exc:  # DistStoreError is a RuntimeError
+        if "timeout" in str(exc).lower() or type(exc).__name__ == "DistStoreError":
+            return False
+        raise
+    return True
+
+
+def store_get_within(store: Any, key: str, timeout: timedelta) -> bytes | None:
+    """``store.get(key)``, waiting for the key up to ``timeout`` (one operation on the store);
+    None when it did not appear in time. The store's own timeout is put back after.
+    Checked: 2.13 (``Store.timeout``, ``Store.set_timeout``; TCPStore's and HashStore's ``get``
+    wait for a missing key up to it).
+
+    Example:
+        >>> s = torch.distributed.HashStore(); s.set("k", "v")
+        >>> store_get_within(s, "k", timedelta(seconds=1))
+        b'v'
+    """
+    before = store.timeout
+    store.set_timeout(timeout)
+    try:
+        return store.get(key)
+    except RuntimeError as exc:  # DistStoreError is a RuntimeError
+        if (
+            "timeout" in str(exc).lower()
+            or "timed out" in str(exc).lower()
+            or type(exc).__name__ == "DistStoreError"
+        ):
+            return None
+        raise
+    finally:
+        store.set_timeout(before)
 
 
 def ddp_comm_hooks(ddp: torch.nn.Module) -> list[tuple[Callable, object]]:

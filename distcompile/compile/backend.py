@@ -30,6 +30,7 @@ from .. import _torch_compat as compat
 from .._agreement import default_store
 from .._config import Config
 from .._errors import CompileError, DistCompileError, RecompileError
+from .._store import control_plane_counts, describe_counts
 from ..capture.breaks import graph_break_reason, is_data_dependent
 from ..capture.graph import CapturedGraph, read_graph
 from ..capture.guards import condense_guard_failures, recompile_note
@@ -380,12 +381,13 @@ class GraphCompiler:
         self.records.append(record)
         t = self.target
         log.info(
-            "graph %d compiled in %.2f s (%d piece(s) reused from identical blocks, %d cache hit(s))%s",
+            "graph %d compiled in %.2f s (%d piece(s) reused from identical blocks, %d cache hit(s))%s; %s",
             record.graph_id,
             record.compile_s,
             record.pieces_reused,
             record.cache_hits,
             self._backward_note(record.plan),
+            describe_counts(),
         )
         if record.split.parts or record.split.rows:
             log.info("graph %d: %s", record.graph_id, record.split.describe().replace("\n", "; "))
@@ -411,5 +413,6 @@ class GraphCompiler:
             breaks=[record.graph_break] if record.graph_break else [],
             recompile_reasons=reasons,
             cache_hits=record.cache_hits,
+            control_plane=control_plane_counts(),
         )
         return self.observer.instrument(compiled, record.graph_id)

@@ -8,9 +8,11 @@ import os
 import threading
 import uuid
 from collections.abc import Sequence
-from datetime import timedelta
+
+import torch.distributed as dist
 
 from .. import _torch_compat as compat
+from .._store import StoreTimeout, barrier, counted, gather_small
 
 __all__ = ["Heartbeat", "assign", "cache_peers", "folder_of", "touch", "warm_marker", "warm_ranks"]
 
@@ -18,9 +20,10 @@ log = logging.getLogger(__name__)
 
 
 def folder_of(
-    store: object, prefix: str, *, rank: int, peers: Sequence[int], ranks: Sequence[int], timeout_s: float
+    store: dist.Store, prefix: str, *, rank: int, peers: Sequence[int], ranks: Sequence[int], timeout_s: float
 ) -> dict[int, int]:
-    """Every rank's cache folder, named by the first rank that sees it (collective over ``ranks``).
+    """Every rank's cache folder, named by the first rank that sees it (collective over ``ranks``;
+    4 store operations a rank: Note [The control plane]).
 
     A rank that does not hear from the others in time takes every rank for a folder of its
     own: it then publishes and loads compiles through the store, slower but never wrong.
@@ -31,16 +34,16 @@ def folder_of(
     if len(ranks) < 2:
         return {rank: rank}
     try:
-        store.set(f"{prefix}/{rank}", str(min(peers)))  # type: ignore[attr-defined]
-        store.wait([f"{prefix}/{r}" for r in ranks], timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
-        return {r: int(store.get(f"{prefix}/{r}")) for r in ranks}  # type: ignore[attr-defined]
-    except Exception as exc:  # noqa: BLE001 - the store's timeout error type differs across versions
+        s = counted(store, "peers")
+        found = gather_small(s, prefix, str(min(peers)), rank=rank, ranks=ranks, timeout_s=timeout_s)
+        return {r: int(found[r]) for r in ranks}
+    except (StoreTimeout, KeyError) as exc:
         log.warning("rank %d: could not learn the other ranks' cache folders (%s)", rank, exc)
         return {r: r for r in ranks}
 
 
 def cache_peers(
-    store: object, prefix: str, *, rank: int, ranks: Sequence[int], timeout_s: float
+    store: dist.Store, prefix: str, *, rank: int, ranks: Sequence[int], timeout_s: float
 ) -> tuple[int, ...]:
     """The ranks of ``ranks`` that see this rank's files in Inductor's cache folder (itself included).
 
@@ -52,26 +55,24 @@ def cache_peers(
     """
     if len(ranks) < 2:
         return (rank,)
-    wait = timedelta(seconds=timeout_s)
     folder = os.path.join(compat.inductor_cache_dir(), "distcompile-peers")
     mine = ""
+    s = counted(store, "peers")
     try:
-        if rank == ranks[0]:
-            store.set(f"{prefix}/token", uuid.uuid4().hex)
-        store.wait([f"{prefix}/token"], wait)
-        token = store.get(f"{prefix}/token").decode()
+        # One token for the job: the first rank's offer stays (compare_set), everyone reads it.
+        token = s.compare_set(f"{prefix}/token", "", uuid.uuid4().hex).decode()
         try:
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, f"{token}-{rank}"), "w"):
                 mine = os.path.join(folder, f"{token}-{rank}")
         except OSError as exc:
             log.debug("cannot write in %s (%s): this rank compiles every piece itself", folder, exc)
-        store.set(f"{prefix}/wrote/{rank}", "1")
-        store.wait([f"{prefix}/wrote/{r}" for r in ranks], wait)
-        seen = tuple(r for r in ranks if mine and os.path.exists(os.path.join(folder, f"{token}-{r}")))
-        store.set(f"{prefix}/read/{rank}", "1")
-        store.wait([f"{prefix}/read/{r}" for r in ranks], wait)
-    except Exception as exc:  # noqa: BLE001 - the store's timeout error type differs across versions
+        barrier(s, f"{prefix}/wrote", ranks=ranks, timeout_s=timeout_s)
+        # A listing of the folder, not a check per rank: its files are the ranks that share it.
+        names = os.listdir(folder) if mine else []
+        seen = tuple(r for r in ranks if f"{token}-{r}" in names)
+        barrier(s, f"{prefix}/read", ranks=ranks, timeout_s=timeout_s)
+    except StoreTimeout as exc:
         log.warning(
             "rank %d: could not find the ranks sharing its compile cache (%s); compiling alone", rank, exc
         )
@@ -103,7 +104,7 @@ def touch(path: str) -> None:
 
 
 def warm_ranks(
-    store: object, prefix: str, *, rank: int, ranks: Sequence[int], marker: str, timeout_s: float
+    store: dist.Store, prefix: str, *, rank: int, ranks: Sequence[int], marker: str, timeout_s: float
 ) -> tuple[int, ...]:
     """The ranks of ``ranks`` whose folder holds the pieces (``marker`` exists there)
     (collective over ``ranks``; all of them, each compiling alone, when the others cannot be heard).
@@ -115,10 +116,12 @@ def warm_ranks(
         >>> # warm_ranks(default_store(), "distcompile/wrap0/compiles/call1/warm", rank=0, ranks=(0, 1), marker=m, timeout_s=60)
     """
     try:
-        store.set(f"{prefix}/{rank}", "1" if os.path.exists(marker) else "0")  # type: ignore[attr-defined]
-        store.wait([f"{prefix}/{r}" for r in ranks], timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
-        warm = tuple(r for r in ranks if store.get(f"{prefix}/{r}") == b"1")  # type: ignore[attr-defined]
-    except Exception as exc:  # noqa: BLE001 - the store's timeout error type differs across versions
+        s = counted(store, "peers")
+        flags = gather_small(
+            s, prefix, "1" if os.path.exists(marker) else "0", rank=rank, ranks=ranks, timeout_s=timeout_s
+        )
+        warm = tuple(r for r in ranks if flags[r] == "1")
+    except (StoreTimeout, KeyError) as exc:
         log.warning(
             "rank %d: could not learn which ranks have warm caches (%s); compiling every piece here",
             rank,
@@ -159,8 +162,8 @@ class Heartbeat:
         True
     """
 
-    def __init__(self, store: object, key: str, timeout_s: float) -> None:
-        self._store, self._key = store, key
+    def __init__(self, store: dist.Store, key: str, timeout_s: float) -> None:
+        self._store, self._key = counted(store, "sharing"), key
         self._every = min(1.0, timeout_s / 4)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="distcompile-heartbeat", daemon=True)
@@ -168,7 +171,7 @@ class Heartbeat:
     def _run(self) -> None:
         while True:
             try:
-                self._store.add(self._key, 1)  # type: ignore[attr-defined]
+                self._store.add(self._key, 1)
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending
                 return
             if self._stop.wait(self._every):

@@ -40,15 +40,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 from torch import fx
 
 from .. import _torch_compat as compat
+from .._store import CountedStore, counted
 from . import transfer
 from .cpu_checks import run_cpu_checks, runs_on_cpu
 from .peers import Heartbeat, assign, cache_peers, folder_of, touch, warm_marker, warm_ranks
@@ -67,6 +68,8 @@ SOURCES = ("compiled here", "cache", "same-folder peer", "other-folder peer")
 
 #: Seconds a rank waits at least for a peer's share of the compiles.
 PEER_WAIT_S = 600.0
+#: How often a rank looks whether a peer's share of the compiles is there.
+POLL_S = 0.05
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -148,7 +151,7 @@ class CompileSharing:
     def find_peers(self) -> tuple[int, ...]:
         """The peers, found on first use (collective over ``ranks``), and every rank's folder."""
         if self.peers is None:
-            store = self._store()
+            store = counted(self._store(), "peers")
             self.peers = cache_peers(
                 store, f"{self.prefix}/peers", rank=self.rank, ranks=self.ranks, timeout_s=self.timeout_s
             )
@@ -177,11 +180,11 @@ class CompileSharing:
         """This rank left the shared compile ``graph`` (TorchDynamo restarted its trace, or it
         failed): the peers waiting for its share compile those pieces themselves, now."""
         try:
-            self._store().set(f"{self.prefix}/{graph}/abandoned/{self.rank}", "1")
+            counted(self._store(), "sharing").set(f"{self.prefix}/{graph}/abandoned/{self.rank}", "1")
         except Exception:  # noqa: BLE001 - the original exception matters more
             log.debug("rank %d: could not mark compile %s abandoned", self.rank, graph)
 
-    def _wait_for(self, store: object, key: str, peer: int, graph: str) -> None:
+    def _wait_for(self, store: CountedStore, key: str, peer: int, graph: str) -> None:
         # As long as Inductor waits for another process's compile of a kernel (its file
         # locks' 10 minutes), or desync_timeout_s if longer: compiling the piece here
         # instead would take about as long. Never forever: a dead peer's piece is then
@@ -192,14 +195,18 @@ class CompileSharing:
         left = f"{self.prefix}/{graph}/abandoned/{peer}"
         waited, limit, said = 0.0, max(self.timeout_s, PEER_WAIT_S), 0.0
         beat = f"{self.prefix}/beat/{peer}"
-        beats, alive_at, why = int(store.add(beat, 0)), 0.0, "as long as a compile lock is waited for"  # type: ignore[attr-defined]
+        beats, alive_at, why = store.add(beat, 0), 0.0, "as long as a compile lock is waited for"
+        start, next_look = time.monotonic(), 0.0
         while waited < limit:
-            slice_s = min(1.0, self.timeout_s, limit - waited)  # then a look for the peer's abandon
-            try:
-                store.wait([key], timedelta(seconds=slice_s))
+            # Polled with check, not waited for in slices: a store wait that times out makes
+            # c10d print a warning line each time (issue 45: a dozen lines in the demo).
+            if store.check([key]):
                 return
-            except Exception:  # noqa: BLE001 - the store's timeout error type differs across versions
-                waited += slice_s
+            time.sleep(POLL_S)
+            waited = time.monotonic() - start
+            if waited < next_look:
+                continue
+            next_look = waited + min(1.0, self.timeout_s)  # then a look for the peer's abandon
             if store.check([left]):
                 return
             if waited - said >= self.timeout_s:
@@ -210,7 +217,7 @@ class CompileSharing:
                     waited,
                     peer,
                 )
-            now = int(store.add(beat, 0))  # type: ignore[attr-defined]
+            now = store.add(beat, 0)
             beats, alive_at = now, (waited if now != beats else alive_at)
             if waited - alive_at >= self.timeout_s:
                 why = f"no sign of life from it for {waited - alive_at:.0f} s: killed or hung"
@@ -237,7 +244,7 @@ class CompileSharing:
         if len(self.sharers) == 1:
             out = [self._compile_here(compile_one, job) for job in jobs]
         else:
-            store = self._store()
+            store = counted(self._store(), "sharing")
             with Heartbeat(store, f"{self.prefix}/beat/{self.rank}", self.timeout_s):
                 out = self._compile_shared(store, jobs, compile_one, graph, marker)
         touch(marker)
@@ -245,7 +252,7 @@ class CompileSharing:
 
     def _compile_shared(
         self,
-        store: object,
+        store: CountedStore,
         jobs: Sequence[CompileJob],
         compile_one: Callable[[CompileJob], object],
         graph: str,
@@ -347,7 +354,7 @@ class CompileSharing:
         self.sources["cache" if compat.compile_cache_hits() > hits else "compiled here"] += 1
         return out
 
-    def _publish(self, store: object, key: str) -> None:
+    def _publish(self, store: CountedStore, key: str) -> None:
         # Whatever happens, "ready" is set: the other folders stop waiting and compile
         # themselves if nothing usable was published.
         try:
@@ -359,9 +366,9 @@ class CompileSharing:
                 "rank %d: could not publish its compiled pieces (%s: %s)", self.rank, type(exc).__name__, exc
             )
         finally:
-            store.set(f"{key}/ready", "1")  # type: ignore[attr-defined]
+            store.set(f"{key}/ready", "1")
 
-    def _load_from(self, store: object, peer: int, graph: str) -> bool:
+    def _load_from(self, store: CountedStore, peer: int, graph: str) -> bool:
         """Load ``peer``'s published pieces of ``graph`` (another folder) into the caches here."""
         key = f"{self.prefix}/{graph}/art/{peer}"
         self._wait_for(store, f"{key}/ready", peer, graph)

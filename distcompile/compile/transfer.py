@@ -43,6 +43,7 @@ import tempfile
 from collections.abc import Mapping
 
 from .. import _torch_compat as compat
+from .._store import CountedStore
 
 __all__ = ["CHUNK_BYTES", "collect", "fetch", "install", "pack", "publish", "seal", "unpack", "unseal"]
 
@@ -115,12 +116,12 @@ def collect() -> bytes:
     return pack(entries, libs) if entries or libs else b""
 
 
-def publish(store: object, key: str, payload: bytes, fingerprint: Mapping[str, str]) -> None:
+def publish(store: CountedStore, key: str, payload: bytes, fingerprint: Mapping[str, str]) -> None:
     """Put ``payload`` in the store under ``key``, chunked, its metadata (hash, fingerprint) last."""
     chunks = [payload[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)]
     for i, chunk in enumerate(chunks):
-        store.set(f"{key}/{i}", chunk)  # type: ignore[attr-defined]
-    store.set(f"{key}/meta", _meta(payload, fingerprint, len(chunks)))  # type: ignore[attr-defined]
+        store.set(f"{key}/{i}", chunk)
+    store.set(f"{key}/meta", _meta(payload, fingerprint, len(chunks)))
 
 
 def _describe(meta: Mapping, payload: bytes, fingerprint: Mapping[str, str]) -> str:
@@ -172,18 +173,18 @@ def unseal(blob: bytes, fingerprint: Mapping[str, str]) -> tuple[bytes | None, s
     return (None, why) if why else (payload, "")
 
 
-def fetch(store: object, key: str, fingerprint: Mapping[str, str]) -> tuple[bytes | None, str]:
+def fetch(store: CountedStore, key: str, fingerprint: Mapping[str, str]) -> tuple[bytes | None, str]:
     """The payload published under ``key``, or ``None`` and why it cannot be used here.
 
     Example:
         >>> # payload, why = fetch(store, "distcompile/wrap0/compiles/call1/art/0", compat.build_fingerprint())
     """
-    if not store.check([f"{key}/meta"]):  # type: ignore[attr-defined]
+    if not store.check([f"{key}/meta"]):
         return None, "nothing was published (its compile or its packing failed)"
-    meta = json.loads(store.get(f"{key}/meta"))  # type: ignore[attr-defined]
+    meta = json.loads(store.get(f"{key}/meta"))
     if _describe(meta, b"", fingerprint).startswith("built with"):  # before fetching the bytes
         return None, _describe(meta, b"", fingerprint)
-    payload = b"".join(store.get(f"{key}/{i}") for i in range(meta["chunks"]))  # type: ignore[attr-defined]
+    payload = b"".join(store.get(f"{key}/{i}") for i in range(meta["chunks"]))
     why = _describe(meta, payload, fingerprint)
     return (None, why) if why else (payload, "")
 

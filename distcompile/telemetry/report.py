@@ -62,6 +62,17 @@ def _figures(s: dict[str, list[tuple[int, float]]]) -> dict:
     return mean_figures(list(per_step.values())) if per_step else {}
 
 
+def _control_plane(s: dict[str, list[tuple[int, float]]]) -> str:
+    """This rank's store operations and bytes per phase, at its last compile (Note [The control plane])."""
+    phases = sorted({t.split("/")[1].rsplit("_", 1)[0] for t in s if t.startswith("control_plane/")})
+    if not phases:
+        return "control plane: not recorded"
+    ops = {p: s[f"control_plane/{p}_ops"][-1][1] for p in phases if s.get(f"control_plane/{p}_ops")}
+    nbytes = sum(s[f"control_plane/{p}_bytes"][-1][1] for p in phases if s.get(f"control_plane/{p}_bytes"))
+    parts = ", ".join(f"{p} {v:.0f}" for p, v in ops.items())
+    return f"control plane: {sum(ops.values()):.0f} store ops, {nbytes / 1e3:.1f} kB on this rank ({parts})"
+
+
 def summarize(run: str) -> str:
     """A short text summary of one run directory.
 
@@ -96,6 +107,7 @@ def summarize(run: str) -> str:
         if s.get("step/time_ms")
         else "steps: 0",
         f"communication per step (mean of steps 1+): {describe_figures(_figures(s))}",
+        _control_plane(s),
     ]
     for text in _texts(run, "compile/recompile_reasons"):
         lines.append("recompile: " + text.replace("\n", "\n  "))

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -96,6 +96,7 @@ class Telemetry:
         breaks: Sequence[str],
         recompile_reasons: Sequence[str],
         cache_hits: int,
+        control_plane: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
         self._compile_spans.append(
             Span("compile", f"graph {graph_id}", start, end, args={"pieces": len(segment_s)})
@@ -113,6 +114,9 @@ class Telemetry:
         w.add_scalar("compile/recompiles", self.recompiles, step)
         w.add_scalar("compile/graph_breaks", len(self.graph_breaks), step)
         w.add_scalar("compile/cache_hits", cache_hits, step)
+        for phase, (ops, nbytes) in (control_plane or {}).items():  # Note [The control plane]
+            w.add_scalar(f"control_plane/{phase}_ops", ops, step)
+            w.add_scalar(f"control_plane/{phase}_bytes", nbytes, step)
         rows = "\n".join(f"| {line} |" for line in plan_table.splitlines())
         w.add_text(
             f"plan/graph_{graph_id}",

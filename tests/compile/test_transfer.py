@@ -74,7 +74,9 @@ def _own_cache_folder(monkeypatch, tmp_path) -> None:  # noqa: ANN001, PT004
 def _sharing(store: dist.Store, rank: int) -> CompileSharing:
     s = CompileSharing(lambda: store, "t", rank=rank, ranks=(0, 1), timeout_s=0.2)
     s.peers, s.folders = (rank,), {0: 0, 1: 1}  # as find_peers finds two folders
-    store.set(f"t/g/warm/{1 - rank}", "0")  # the other rank's folder is cold too
+    # The other rank's part of warm_ranks (Note [The control plane]: gather_small): its folder is cold too.
+    store.append("t/g/warm/all", f"{1 - rank}=0;")
+    store.add("t/g/warm/n", 1)
     return s
 
 
@@ -152,6 +154,7 @@ def test_a_trace_restarted_on_every_rank_is_still_compiled_once() -> None:
     for r in results:
         first = next(x for x in r["log"] if x.startswith("graph 0 compiled in"))
         assert "compiled here, " in first and "from other-folder peers" in first, r["log"]
+        assert "; control plane: " in first and " store ops, " in first, first
         assert not any("not loading" in x for x in r["log"]), r["log"]
 
 

@@ -181,3 +181,6 @@ def test_graph_breaks_and_recompiles_are_reported(tmp_path: Path) -> None:
 
     text = summarize(str(tmp_path))
     assert "recompile: graph" in text and "failed guards" in text and "expected 4, actual 6" in text, text
+    # Note [The control plane]: this rank's store operations per phase, bounded (2 ranks here).
+    ops = re.search(r"control plane: (\d+) store ops, [\d.]+ kB on this rank \((.*agreement \d+.*)\)", text)
+    assert ops is not None and 0 < int(ops.group(1)) < 200, text

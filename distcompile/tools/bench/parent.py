@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 
 from .netns import can_make_namespaces, veth_pair
@@ -239,6 +240,8 @@ def _parser() -> argparse.ArgumentParser:
         "shared through the store, or not) against one shared folder, cold, and at a restart with one "
         "folder emptied against both warm",
     )
+    p.add_argument("--control-plane", action="store_true", help="instead: the store protocols at --ranks")
+    p.add_argument("--ranks", default="2,8,64,256,1024", help="simulated job sizes of --control-plane")
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument(
         "--trace-dir",
@@ -278,6 +281,15 @@ def _variant_names(p: argparse.ArgumentParser, args: argparse.Namespace) -> list
     return names
 
 
+def _control_plane(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    # A standalone script, so that it can measure any checkout's protocols (PYTHONPATH).
+    script = os.path.join(os.path.dirname(__file__), *[os.pardir] * 3, "benchmarks", "control_plane.py")
+    if not os.path.exists(script):
+        p.error("--control-plane runs benchmarks/control_plane.py, which only a checkout of distcompile has")
+    out = os.path.join(args.out_dir, f"{time.strftime('%Y-%m-%d')}-control-plane")
+    return subprocess.call([sys.executable, script, "--ranks", args.ranks, "--out", out])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark (parent) or one rank of it (``--worker``).
 
@@ -286,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     """
     p = _parser()
     args = p.parse_args(argv)
+    if args.control_plane:
+        return _control_plane(p, args)
     names = _variant_names(p, args)
     if not args.worker:
         _check_device(p, args, names)

@@ -1,0 +1,162 @@
+"""The control plane's store protocols (Note [The control plane]): right answers, bounded cost.
+
+Simulated ranks are threads, each with its own client of one real TCPStore server, as
+``benchmarks/control_plane.py`` does at a thousand ranks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from distcompile import DesyncError
+from distcompile._agreement import check_agreement, compile_together, failed_ranks, layouts_agree, mark_failed
+from distcompile._store import StoreTimeout, agree, barrier, counted, gather_small
+
+
+class _Counting:
+    """A client that counts its own operations (the process-wide counts mix the threads)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store, self.ops = store, 0
+
+    def __getattr__(self, name: str) -> object:
+        method = getattr(self.store, name)
+        if name in ("timeout", "set_timeout"):  # the client's own setting, not a store operation
+            return method
+
+        def call(*args: object) -> object:
+            self.ops += 1
+            return method(*args)
+
+        return call
+
+
+def _ranks(n: int, fn: Callable[[object, int], object]) -> tuple[list, list[int]]:
+    """Run ``fn(store, rank)`` on ``n`` threads, each with its own client; results and op counts."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    clients = [
+        _Counting(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30)))
+        for _ in range(n)
+    ]
+    out: list = [None] * n
+
+    def run(r: int) -> None:
+        try:
+            out[r] = fn(clients[r], r)
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            out[r] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return out, [c.ops for c in clients]
+
+
+def test_agree_compares_digests_in_a_bounded_number_of_operations() -> None:
+    n = 32
+    out, ops = _ranks(
+        n,
+        lambda s, r: agree(
+            counted(s, "t"), "k", "same text " * 100, rank=r, ranks=list(range(n)), timeout_s=30
+        ),
+    )
+    assert all(v.same for v in out), out
+    assert max(ops) <= 6, (
+        ops
+    )  # here, compare_set, add, wait(done), add(ndiffer); the first rank also sets its text
+
+
+def test_agree_names_the_ranks_that_differ_and_brings_both_texts() -> None:
+    n = 8
+    text = {r: "a\nb\nc" if r not in (3, 5) else "a\nX\nc" for r in range(n)}
+    out, _ = _ranks(
+        n, lambda s, r: agree(counted(s, "t"), "k", text[r], rank=r, ranks=list(range(n)), timeout_s=30)
+    )
+    assert not any(v.same for v in out)
+    first = out[0].first
+    for v in out:
+        assert v.first == first
+        assert sorted(v.differing) == ([3, 5] if text[first] == "a\nb\nc" else sorted(set(range(n)) - {3, 5}))
+        assert len(set(v.texts.values())) == 2, v.texts  # the reference's text and a differing one
+
+
+def test_agree_names_a_rank_that_never_arrives() -> None:
+    def fn(s: object, r: int) -> object:
+        if r == 2:
+            return None  # this rank took another path
+        return agree(counted(s, "t"), "k", "x", rank=r, ranks=[0, 1, 2], timeout_s=1)
+
+    out, _ = _ranks(3, fn)
+    for r in (0, 1):
+        assert isinstance(out[r], StoreTimeout) and out[r].missing == [2], out[r]
+
+
+def test_check_agreement_and_layouts_raise_or_return_as_before() -> None:
+    def fn(s: object, r: int) -> object:
+        layout = layouts_agree(
+            s, "lay", [["w"], ["b"]] if r else [["w", "b"]], rank=r, ranks=[0, 1], timeout_s=30
+        )
+        try:
+            check_agreement(
+                s, "g", f"op {r % 2}", rank=r, ranks=[0, 1], timeout_s=30, what="graph 0", fix="Fix it."
+            )
+        except DesyncError as exc:
+            return layout, str(exc)
+        return layout, None
+
+    out, _ = _ranks(2, fn)
+    assert all(layout is None for layout, _ in out)  # the layouts differ: None on every rank
+    for r, (_, msg) in enumerate(out):
+        assert (
+            msg is not None
+            and f"graph 0 differs between rank {r} and rank {1 - r}" in msg
+            and "Fix it." in msg
+        )
+        assert "-op 0" in msg or "+op 0" in msg, msg
+
+
+@pytest.mark.parametrize("arrive", ["together", "alone"])
+def test_compile_together_decides_once_for_every_rank(arrive: str) -> None:
+    n = 6
+
+    def fn(s: object, r: int) -> object:
+        if arrive == "alone" and r == n - 1:
+            return None  # one rank never recompiles
+        return compile_together(
+            s,
+            "c",
+            "g",
+            rank=r,
+            ranks=list(range(n)),
+            wait_s=1 if arrive == "alone" else 30,
+            what="graph 1",
+            fix="",
+        )
+
+    out, _ = _ranks(n, fn)
+    want = arrive == "together"
+    assert [v for v in out if v is not None] == [want] * (n - (arrive == "alone")), out
+
+
+def test_gather_barrier_and_failure_marks() -> None:
+    n = 16
+
+    def fn(s: object, r: int) -> object:
+        folders = gather_small(counted(s, "t"), "f", str(r // 4), rank=r, ranks=list(range(n)), timeout_s=30)
+        if r in (3, 9):
+            mark_failed(s, "job", r, f"rank {r} raised")
+        barrier(counted(s, "t"), "b", ranks=list(range(n)), timeout_s=30)
+        return folders, failed_ranks(s, "job", list(range(n)))
+
+    out, ops = _ranks(n, fn)
+    for folders, failed in out:
+        assert folders == {r: str(r // 4) for r in range(n)}
+        assert failed == {3: "rank 3 raised", 9: "rank 9 raised"}
+    assert max(ops) <= 16, ops  # gather 4 + barrier 2 + a mark 3 + reading the marks 4
