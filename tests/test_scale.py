@@ -1,0 +1,67 @@
+"""More ranks than the rest of the suite: 4 and 8 real gloo ranks on one machine (issue 43).
+
+The control plane's protocols (Note [The control plane]) are unit-tested with 32 simulated
+ranks in ``tests/test_store.py``; here the whole of distcompile runs with 4 and 8 real
+processes: parity with eager DDP (every graph and plan agreed by digest, the layout, the
+heartbeat and lockstep keys), a rank that captured another graph and one that never
+arrives (named within the timeout, on every rank), compiles shared across 4 cache folders
+(each piece compiled once in the job), and Join with ranks that run out of data at
+different steps.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+
+import numpy as np
+import pytest
+
+from tests import ddp_workers, workers
+from tests.harness import run_ranks
+from tests.runtime.test_parity import TOL, _check
+
+pytestmark = pytest.mark.long
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_parity_at_4_and_8_ranks(world: int) -> None:
+    _check(run_ranks(workers.parity, world, "gpt", "aot_eager", timeout=900), TOL["aot_eager"])
+
+
+def test_a_rank_with_another_graph_is_named_on_every_rank_of_4() -> None:
+    for rank, msg in enumerate(run_ranks(workers.desync_structure, 4, timeout=300)):
+        assert msg.startswith("DesyncError") and "graph 0 differs between rank" in msg, (rank, msg)
+
+
+def test_a_rank_that_never_arrives_is_named_within_the_timeout_at_4_ranks() -> None:
+    for rank, msg in enumerate(run_ranks(workers.desync_missing, 4, timeout=300)):
+        if rank == 1:
+            assert msg == "skipped"
+            continue
+        seconds = float(msg.split("s ", 1)[0])
+        assert "rank(s) [1] did not compile graph 0 within 3 s" in msg and seconds < 10, msg
+
+
+def test_compiles_shared_across_4_folders_compile_each_piece_once() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        folders = [f"{root}/{k}" for k in range(4)]
+        results = run_ranks(workers.shared_compile, 4, folders, "gpt", "plain", timeout=1500)
+    _check(results, TOL["inductor"])
+    compiled = [
+        int(m.group(1))
+        for r in results
+        for line in r["log"]
+        if (m := re.search(r"pieces: (\d+) compiled here", line))
+    ]
+    total = sum(compiled)
+    distinct = results[0]["pieces"][0] - results[0]["pieces_reused"][0]
+    assert total == distinct, (compiled, distinct)  # each distinct piece compiled once in the job
+
+
+def test_join_with_ranks_out_of_data_at_different_steps_at_4_ranks() -> None:
+    for res in run_ranks(ddp_workers.join_parity, 4, "model", timeout=900):
+        for a, b in zip(*res["losses"]):
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+        for a, b in zip(res["params"], res["ref_params"]):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
