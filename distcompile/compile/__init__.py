@@ -1,10 +1,21 @@
 """Compile: from one captured graph to compiled segments whose buckets the reducer knows.
 
-Owns the TorchDynamo backend (``backend.py``: a numbered recipe of capture, plan,
-agreement, split, compile, register) and splitting the graph at the planned boundaries
-and compiling each piece (``segments.py``), sharing the compiles between ranks
-(``sharing.py``, ``peers.py``; across cache folders through the store: ``transfer.py``).
-May import ``capture``, ``planning`` and the
-leaves. It reaches the runtime and telemetry only through the small interfaces it is
-given (``backend.BucketRegistry``, ``backend.CompileObserver``); it never imports them.
+May import ``capture``, ``planning`` and the leaves. It reaches the runtime and telemetry
+only through the small interfaces it is given (``backend.BucketRegistry``,
+``backend.CompileObserver``); it never imports them.
+
+- ``backend.py``: the TorchDynamo backend, a numbered recipe of capture, plan, agreement,
+  split, compile, register.
+- ``lockstep.py``: which compiles the ranks do together, and what must agree.
+- ``pricing.py``: a graph's compute and wire costs for ``bucket_cap_mb="auto"``.
+- ``segments.py``: splitting the graph at the planned boundaries, compiling each piece.
+- ``reuse.py``: which pieces are interchangeable, so one compiled piece serves them all.
+- ``sharing.py``: compiles split between the ranks that share a cache folder, and across folders.
+- ``peers.py``: which ranks share a folder, which are warm; the heartbeat.
+- ``transfer.py``: compiled pieces packed, published and installed through the store.
+- ``cpu_checks.py``: Inductor's one-time CPU checks, split between ranks.
+- ``wrappers.py``: what runs around a compiled graph (the reducer told, backwards refused with
+  the fix, the graph as captured for the forward check).
+- ``failures.py``: a failure inside torch's compilers as a ``CompileError`` with the next rung.
+- ``record.py``: what the backend keeps of each graph (``DistCompiledModule.graphs``).
 """

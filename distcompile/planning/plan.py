@@ -55,6 +55,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from .nodes import NodeInfo
 from .repeats import Blocks, allowed_cuts, piece_bounds
 from .search import GraphCosts, SharedUse, starts_by_cost
 
@@ -62,25 +63,6 @@ __all__ = ["NodeInfo", "Bucket", "Plan", "GraphCosts", "plan_graph", "DEFAULT_FI
 
 #: DDP's first-bucket cap (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``).
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class NodeInfo:
-    """One forward graph node as the planner sees it.
-
-    Attributes:
-        name: The FX node name.
-        params: Names of the trainable parameters the node reads.
-        last_user: Index of the last node that reads this node's value
-            (``len(nodes)`` for the graph output, ``-1`` if nothing reads it).
-        lookups: Those of ``params`` read as the table of an embedding lookup (their
-            gradient from this node touches only the rows looked up).
-    """
-
-    name: str
-    params: tuple[str, ...] = ()
-    last_user: int = -1
-    lookups: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .plan import NodeInfo
+from .nodes import NodeInfo
 
 __all__ = ["GraphCosts", "SharedUse", "segment_bytes", "starts_by_cost"]
 

@@ -1,10 +1,29 @@
 """Runtime: the wrapped module and the gradient synchronization of a training step.
 
-Owns the module users train (``module.py``), adopting the DDP model's options
-(``ddp.py``), the bucketed all-reduce (``reducer.py``, ``bucket.py``), collectives with
-public APIs (``collectives.py``), link and compute measurement for ``bucket_cap_mb="auto"``
-(``measure.py``), checkpoints (``checkpoint.py``) and process exit (``shutdown.py``: models
-left open are closed, communication threads finish before finalization). May import ``compile``, ``capture``,
-``planning`` and the leaves. It never imports ``telemetry`` (TensorBoard, matplotlib):
-telemetry observes it through ``reducer.StepObserver``.
+May import ``compile``, ``capture``, ``planning`` and the leaves. It never imports
+``telemetry`` (TensorBoard, matplotlib): telemetry observes it through ``stats.StepObserver``.
+
+- ``module.py``: the module users train.
+- ``ddp.py``: adopting the DDP model's options, checked across ranks.
+- ``surface.py``: DDP's own API on it (communication hooks, ``Join``, the rest).
+- ``nesting.py``: data-parallel wrappers in the wrong place, as errors.
+- ``reducer.py``: the bucketed all-reduce of a synchronized step.
+- ``schedule.py``: a step's buckets in launch order, from the graphs that ran.
+- ``bucket.py``: one flat bucket: buffer, used flags, launch, write.
+- ``rows.py``: an embedding table reduced by the rows looked up.
+- ``sparse.py``: sparse gradients, reduced apart.
+- ``parts.py``: the parts of shared parameters, on the reducer's side.
+- ``writeback.py``: reduced gradients written back, in launch order.
+- ``graph_memory.py``: no ``.grad`` left in CUDA-graph memory.
+- ``hooks.py``: DDP communication hooks on distcompile's buckets.
+- ``join.py``: uneven inputs, a joined rank shadowing the others' collectives.
+- ``optim_in_backward.py``: optimizers stepped inside backward.
+- ``attached_optimizer.py``: a user's optimizer stepped bucket by bucket, under communication.
+- ``stats.py``: what the reducer reports about a step, and to whom.
+- ``collectives.py``: collectives beyond the bucketed all-reduce, with public APIs.
+- ``measure.py``: the link and the compute rate, for ``bucket_cap_mb="auto"``.
+- ``forward_check.py``: the default first-step forward check.
+- ``verify.py``: the full first-step check against eager DDP (``verify=True``).
+- ``checkpoint.py``: atomic training checkpoints.
+- ``shutdown.py``: process exit, models closed, communication threads finished first.
 """

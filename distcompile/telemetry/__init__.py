@@ -1,8 +1,13 @@
 """Telemetry: what the runtime did, measured and written down.
 
-Owns the step timeline and overlap arithmetic (``timeline.py``), per-segment spans
-(``instrument.py``), TensorBoard and Chrome-trace output (``sink.py``), the Gantt picture
-(``figure.py``) and ``distcompile report`` (``report.py``). It observes the runtime
-(implements ``runtime.reducer.StepObserver`` and ``compile.backend.CompileObserver``) and
-never drives communication. TensorBoard and matplotlib are the ``telemetry`` extra.
+It observes the runtime (implements ``runtime.stats.StepObserver`` and
+``compile.backend.CompileObserver``) and never drives communication. TensorBoard and
+matplotlib are the ``telemetry`` extra.
+
+- ``timeline.py``: the step timeline and the overlap arithmetic (pure).
+- ``clock.py``: clocks for timelines: host time on CPU, CUDA events on the GPU.
+- ``instrument.py``: each compiled segment's forward and backward as spans.
+- ``sink.py``: TensorBoard scalars and text, the Gantt picture, a Chrome trace per rank.
+- ``figure.py``: the Gantt picture of one step.
+- ``report.py``: ``distcompile report``.
 """

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import fx
 
 from .. import _torch_compat as compat
-from .clock import PendingSpan
-
-if TYPE_CHECKING:
-    from .sink import Telemetry
+from .clock import Clock, PendingSpan, StepTimeline
 
 __all__ = ["instrument"]
+
+
+class Telemetry(Protocol):
+    """What instrumenting needs of ``sink.Telemetry``: whether this step records, its clock and timeline."""
+
+    recording: bool
+    clock: Clock
+    timeline: StepTimeline
 
 
 def _timed_call(fn: Callable, args: tuple, telemetry: Telemetry, label: str) -> object:
