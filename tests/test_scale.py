@@ -59,6 +59,22 @@ def test_compiles_shared_across_4_folders_compile_each_piece_once() -> None:
     assert total == distinct, (compiled, distinct)  # each distinct piece compiled once in the job
 
 
+def test_two_folders_of_two_fetch_once_per_folder() -> None:
+    """Note [Compiles shared by folder]: 4 ranks, 2 cache folders; each piece compiled once in the
+    job, and only each folder's leader (ranks 0 and 2) takes pieces from the store."""
+    with tempfile.TemporaryDirectory() as root:
+        folders = [f"{root}/{k // 2}" for k in range(4)]
+        results = run_ranks(workers.shared_compile, 4, folders, "gpt", "plain", timeout=1500)
+    _check(results, TOL["inductor"])
+    lines = [next(x for x in r["log"] if x.startswith("graph 0 compiled in")) for r in results]
+    through = [
+        float(m.group(1)) if (m := re.search(r"\(([\d.]+) MB through the store\)", x)) else 0.0 for x in lines
+    ]
+    assert through[0] > 0 and through[2] > 0 and through[1] == 0 and through[3] == 0, lines
+    compiled = [int(m.group(1)) if (m := re.search(r"pieces: (\d+) compiled here", x)) else 0 for x in lines]
+    assert sum(compiled) == results[0]["pieces"][0] - results[0]["pieces_reused"][0], lines
+
+
 def test_join_with_ranks_out_of_data_at_different_steps_at_4_ranks() -> None:
     for res in run_ranks(ddp_workers.join_parity, 4, "model", timeout=900):
         for a, b in zip(*res["losses"]):

@@ -20,7 +20,7 @@ import torch
 
 from .dynamo import ISA_LIBRARIES, inductor_cache_dir
 
-__all__ = ["build_fingerprint", "kernel_libraries", "load_artifacts", "save_artifacts"]
+__all__ = ["build_fingerprint", "forget_artifacts", "kernel_libraries", "load_artifacts", "save_artifacts"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,21 @@ def save_artifacts() -> bytes:
         log.debug("torch.compiler.save_cache_artifacts failed: %s: %s", type(exc).__name__, exc)
         return b""
     return out[0] if out else b""
+
+
+def forget_artifacts() -> None:
+    """Make ``save_artifacts`` start over: what it returns next is what was written or read
+    after this call. Checked: 2.13 (``torch.compiler._cache.CacheArtifactManager.clear``).
+
+    Example:
+        >>> forget_artifacts()
+    """
+    try:
+        from torch.compiler._cache import CacheArtifactManager
+
+        CacheArtifactManager.clear()
+    except Exception as exc:  # noqa: BLE001 - publications then repeat earlier entries: bigger, not wrong
+        log.debug("could not clear the compile-cache artifacts: %s: %s", type(exc).__name__, exc)
 
 
 def load_artifacts(blob: bytes) -> int:

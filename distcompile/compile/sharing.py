@@ -52,7 +52,8 @@ from .. import _torch_compat as compat
 from .._store import CountedStore, counted
 from . import transfer
 from .cpu_checks import run_cpu_checks, runs_on_cpu
-from .peers import Heartbeat, assign, cache_peers, folder_of, touch, warm_marker, warm_ranks
+from .peers import Heartbeat, cache_peers, folder_of, touch, warm_marker, warm_ranks
+from .share_plan import SharePlan, plan_sharing
 
 __all__ = [
     "SOURCES",
@@ -147,6 +148,7 @@ class CompileSharing:
         self.folders: dict[int, int] = {}  # rank -> its folder's first rank
         self.sources: Counter[str] = Counter()  # where the last compile_all's pieces came from
         self.received_bytes = 0
+        self._taken: set[str] = set()  # "installed" keys this rank already fetched or waited for
 
     def find_peers(self) -> tuple[int, ...]:
         """The peers, found on first use (collective over ``ranks``), and every rank's folder."""
@@ -258,9 +260,11 @@ class CompileSharing:
         graph: str,
         marker: str,
     ) -> list:
-        everyone = sharers = self.sharers
+        """Carry out this rank's ``plan_sharing`` (Note [Compiles shared by folder])."""
+        sharers = self.sharers
+        folders = self.folders if self.folders else {r: sharers[0] for r in sharers}
         warm: tuple[int, ...] = ()
-        if len({self.folders.get(r) for r in sharers}) > 1:  # cold folders load from warm ones
+        if len({folders.get(r) for r in sharers}) > 1:  # cold folders load from warm ones
             warm = warm_ranks(
                 store,
                 f"{self.prefix}/{graph}/warm",
@@ -269,65 +273,68 @@ class CompileSharing:
                 marker=marker,
                 timeout_s=self.timeout_s,
             )
+        plan = plan_sharing(
+            [job.cost for job in jobs],
+            [job.shareable for job in jobs],
+            rank=self.rank,
+            sharers=sharers,
+            folders=folders,
+            warm=warm,
+        )
         # By position: every rank has the same jobs (the graphs agree); piece keys name
         # objects by their id, which differs between ranks.
         done = [f"{self.prefix}/{graph}/{len(jobs)}/{j}" for j in range(len(jobs))]
-        owner = self._owners(jobs, sharers, warm)
-        mine = [j for j, job in enumerate(jobs) if owner[j] == self.rank or not job.shareable]
+        installed = f"{self.prefix}/{graph}/installed/{plan.leader}"
         out: list = [None] * len(jobs)
-        here = self.folders.get(self.rank)  # None: one folder (peers set by hand)
-
-        def same_folder(r: int) -> bool:
-            return here is None or self.folders.get(r) == here
-
-        got: dict[int, bool] = {}  # other-folder peers whose pieces were (or failed to be) installed
-
-        def load(peer: int) -> bool:
-            if peer not in got:
-                got[peer] = self._load_from(store, peer, graph)
-            return got[peer]
-
         if runs_on_cpu(a for job in jobs for a in job.args):
-            if warm and self.rank not in warm:  # a cold folder: the warm rank's CPU-check libraries too
-                load(owner[0])
+            if warm and self.rank not in warm:  # a cold folder: the warm folder's CPU-check libraries first
+                self._take_other_folders(store, plan, graph, installed)
             # Inductor's one-time CPU checks come before its first C++ kernel: split them too.
-            run_cpu_checks(len(everyone), everyone.index(self.rank))
-
+            run_cpu_checks(len(sharers), sharers.index(self.rank))
         with compat.eager_backward():
-            for j in mine:
+            for j in plan.mine:
                 try:
                     out[j] = self._compile_here(compile_one, jobs[j])
                 finally:  # done or failed: the peers stop waiting either way
                     store.set(done[j], str(self.rank))
-            if (
-                not all(same_folder(r) for r in everyone)
-                and (not warm or self.rank in warm)
-                and len(warm) < len(everyone)
-            ):
+            for j in plan.from_folder:
+                self._wait_for(store, done[j], plan.owner[j], graph)
+                out[j] = self._compile_from(compile_one, jobs[j], "same-folder peer")
+            if plan.publishes:
                 self._publish(store, f"{self.prefix}/{graph}/art/{self.rank}")
-            for j in (j for j in range(len(jobs)) if j not in mine):
-                peer = owner[j]
-                if same_folder(peer):
-                    self._wait_for(store, done[j], peer, graph)
-                    self.sources["same-folder peer"] += 1
-                elif load(peer):
-                    self.sources["other-folder peer"] += 1
-                else:
-                    out[j] = self._compile_here(compile_one, jobs[j])
-                    continue
-                out[j] = compile_one(jobs[j])
-        log.debug("rank %d: pieces of %s: %s; peers %s", self.rank, graph, dict(self.sources), sharers)
+            if plan.from_other:
+                self._take_other_folders(store, plan, graph, installed)
+            for j in plan.from_other:
+                out[j] = self._compile_from(compile_one, jobs[j], "other-folder peer")
+        log.debug("rank %d: pieces of %s: %s; plan %s", self.rank, graph, dict(self.sources), plan)
         return out
 
-    def _owners(self, jobs: Sequence[CompileJob], sharers: Sequence[int], warm: Sequence[int]) -> list[int]:
-        """Who compiles each job: split between ``sharers``; when some folders are warm, every
-        warm rank loads all of them from its cache and each cold rank takes them from one."""
-        if warm and self.rank in warm:
-            return [self.rank] * len(jobs)
-        if warm:
-            cold = [r for r in sharers if r not in warm]
-            return [warm[cold.index(self.rank) % len(warm)]] * len(jobs)
-        return [sharers[o] for o in assign([job.cost if job.shareable else 0 for job in jobs], len(sharers))]
+    def _take_other_folders(self, store: CountedStore, plan: SharePlan, graph: str, installed: str) -> None:
+        """The leader fetches the other folders' publications once and marks its folder installed
+        (the last fetcher deletes them); the others wait for that mark. Once per graph."""
+        if installed in self._taken:
+            return
+        self._taken.add(installed)
+        if not plan.is_leader:
+            self._wait_for(store, installed, plan.leader, graph)
+            return
+        try:
+            for lead in plan.fetches:
+                self._load_from(store, lead, graph)
+        finally:
+            store.set(installed, "1")  # loaded or not: the folder's ranks compile what is missing
+        if store.add(f"{self.prefix}/{graph}/art/fetched", 1) == plan.fetchers:
+            for lead in plan.publishers:
+                transfer.delete(store, f"{self.prefix}/{graph}/art/{lead}")
+
+    def _compile_from(
+        self, compile_one: Callable[[CompileJob], object], job: CompileJob, source: str
+    ) -> object:
+        """A piece another rank made: a cache hit, counted as ``source``; else compiled here."""
+        hits = compat.compile_cache_hits()
+        out = compile_one(job)
+        self.sources[source if compat.compile_cache_hits() > hits else "compiled here"] += 1
+        return out
 
     def describe_sources(self) -> str:
         """Where the last compile's pieces came from, for the compile log line.
@@ -361,6 +368,7 @@ class CompileSharing:
             payload = transfer.collect()
             if payload:
                 transfer.publish(store, key, payload, compat.build_fingerprint())
+            compat.forget_artifacts()  # the next publication carries only what is new
         except Exception as exc:  # noqa: BLE001 - the others compile what they cannot load
             log.warning(
                 "rank %d: could not publish its compiled pieces (%s: %s)", self.rank, type(exc).__name__, exc

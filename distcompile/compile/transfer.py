@@ -8,8 +8,9 @@ Background
 
 Algorithm
     The job's own store carries the compiled pieces between folders. The ranks of all
-    folders split the distinct pieces between them. A rank that compiled its share
-    gathers what its process holds in PyTorch's compile caches: the AOTAutograd and
+    folders split the distinct pieces between them; each folder's leader publishes its
+    folder's share once and fetches the other folders' (Note [Compiles shared by folder],
+    ``share_plan.py``). A leader gathers what its process holds in PyTorch's compile caches: the AOTAutograd and
     Inductor entries ``torch.compiler.save_cache_artifacts`` serializes (Triton kernels
     bundled in on GPU) and, on CPU, the C++ kernel libraries those entries load (files in
     Inductor's cache folder, named by a hash of their source and compile command). It
@@ -23,9 +24,10 @@ Notes
     Nothing here is pickled by distcompile: the container is a JSON header followed by
     PyTorch's own bytes and the libraries' bytes. A fingerprint or hash that does not
     match, a malformed container, or a library path outside the cache folder means the
-    piece is compiled here, with a log line saying why. What a process publishes is
-    everything it compiled or loaded so far (PyTorch's serializer appends), so a later
-    graph republishes earlier entries: simple, and bounded by the model's compiled code.
+    piece is compiled here, with a log line saying why. What a process publishes is what
+    it compiled or loaded since its last publication (PyTorch's record of them is cleared
+    after each), and a publication is deleted from the store once every leader that needed
+    it has installed it.
     A graph compiled as one piece is shared too (one rank compiles it whole, the others
     load it), unlike with one folder, where every rank compiles it and Inductor's files
     are shared anyway. Pieces compiled in place because Inductor may change their output
@@ -45,7 +47,18 @@ from collections.abc import Mapping
 from .. import _torch_compat as compat
 from .._store import CountedStore
 
-__all__ = ["CHUNK_BYTES", "collect", "fetch", "install", "pack", "publish", "seal", "unpack", "unseal"]
+__all__ = [
+    "CHUNK_BYTES",
+    "collect",
+    "delete",
+    "fetch",
+    "install",
+    "pack",
+    "publish",
+    "seal",
+    "unpack",
+    "unseal",
+]
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +184,22 @@ def unseal(blob: bytes, fingerprint: Mapping[str, str]) -> tuple[bytes | None, s
         return None, "not a distcompile compile-artifacts file"
     why = _describe(meta, payload, fingerprint)
     return (None, why) if why else (payload, "")
+
+
+def delete(store: CountedStore, key: str) -> None:
+    """Remove a publication (its chunks, metadata and ready mark) once nobody needs it; never raises.
+
+    Example:
+        >>> # delete(store, "distcompile/wrap0/compiles/call1/art/0")
+    """
+    try:
+        chunks = json.loads(store.get(f"{key}/meta"))["chunks"] if store.check([f"{key}/meta"]) else 0
+        for i in range(chunks):
+            store.delete_key(f"{key}/{i}")
+        for suffix in ("meta", "ready"):
+            store.delete_key(f"{key}/{suffix}")
+    except Exception as exc:  # noqa: BLE001 - a publication left behind costs memory, not correctness
+        log.debug("could not delete %s: %s", key, exc)
 
 
 def fetch(store: CountedStore, key: str, fingerprint: Mapping[str, str]) -> tuple[bytes | None, str]:

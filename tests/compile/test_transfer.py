@@ -211,17 +211,6 @@ def test_pieces_saved_on_another_setup_are_not_installed(tmp_path, monkeypatch, 
     assert "not installed: built with another setup (torch" in caplog.text
 
 
-def test_warm_ranks_load_everything_and_cold_ones_take_it_from_a_warm_one() -> None:
-    jobs = _jobs()
-    cold0 = _sharing(dist.HashStore(), 0)
-    assert cold0._owners(jobs, (0, 1), ()) == [0, 1]  # all cold: split, largest first
-    assert cold0._owners(jobs, (0, 1), (1,)) == [1, 1]  # rank 0 cold: everything from rank 1
-    assert cold0._owners(jobs, (0, 1), (0,)) == [0, 0]  # rank 0 warm: everything from its cache
-    assert cold0._owners(jobs, (0, 1), (0, 1)) == [0, 0]  # all warm: nothing travels
-    four = CompileSharing(lambda: None, "t", rank=3, ranks=(0, 1, 2, 3), timeout_s=1)
-    assert four._owners(jobs, (0, 1, 2, 3), (0, 2)) == [2, 2]  # cold ranks 1, 3 spread over 0, 2
-
-
 def test_a_peer_that_stops_beating_is_waited_for_desync_timeout_s_only(caplog, monkeypatch) -> None:  # noqa: ANN001
     """Killed or hung mid-compile: no heartbeat, so not the 10 minutes a live peer's compile gets."""
     import time
