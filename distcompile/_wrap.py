@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -16,6 +17,8 @@ from .runtime.ddp import Settings, adopt
 from .runtime.module import DistCompiledModule
 from .runtime.nesting import WRAPPERS
 from .telemetry.sink import Telemetry
+
+log = logging.getLogger(__name__)
 
 __all__ = ["unwrap", "wrap"]
 
@@ -70,9 +73,30 @@ def wrap(model: nn.Module, config: Config | None = None, **options: object) -> D
             "model itself. Pass the uncompiled DDP model (drop torch.compile / the earlier wrap)."
         )
     inner, settings = adopt(model, cfg)
+    _warn_if_restarts_share_the_agent_store()
     enable_progress(rank=dist.get_rank(), first_rank=dist.get_rank() == settings.ranks[0])
     telemetry = _make_telemetry(cfg, inner, settings)
     return DistCompiledModule(inner, config=cfg, settings=settings, source=model, observer=telemetry)
+
+
+_warned_store = False
+
+
+def _warn_if_restarts_share_the_agent_store() -> None:
+    # Issue 44: with the agent's store shared between attempts, a restarted group reads the last
+    # group's keys (torch's own: gloo connects to the dead ranks' addresses and fails, or
+    # waits), with eager DDP as with distcompile. Torch's to fix; said once, with the setting.
+    global _warned_store
+    if _warned_store or not compat.restarts_share_agent_store():
+        return
+    _warned_store = True
+    log.warning(
+        "this torchrun job may restart its workers (--max-restarts) and they share the agent's "
+        "rendezvous store, which keeps the last attempt's keys: after a restart, the new process "
+        "group can fail to connect ('Connection refused' in gloo) or hang, with or without "
+        "distcompile. Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment "
+        "(launchers/*.sh and launchers/slurm.sbatch do), docs/launching.md."
+    )
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -18,6 +18,8 @@ __all__ = [
     "ddp_ignored_names",
     "ddp_uses_python_reducer",
     "default_store",
+    "elastic_attempt",
+    "restarts_share_agent_store",
     "store_get_within",
     "store_wait",
     "is_fsdp_module",
@@ -120,6 +122,37 @@ def store_get_within(store: Any, key: str, timeout: timedelta) -> bytes | None:
         raise
     finally:
         store.set_timeout(before)
+
+
+def elastic_attempt() -> int:
+    """Which attempt of a torchrun worker group this process belongs to (0 outside torchrun, or
+    before any restart). Checked: 2.11-2.15 (``TORCHELASTIC_RESTART_COUNT``, set by the agent).
+
+    Example:
+        >>> elastic_attempt() >= 0
+        True
+    """
+    import os
+
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def restarts_share_agent_store() -> bool:
+    """Whether this process is a torchrun worker that may be restarted (``--max-restarts`` above
+    0) and whose default store is the agent's rendezvous store, shared by every attempt
+    (torch's default since 2.4; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` turns it off).
+    Checked: 2.13 (``TORCHELASTIC_USE_AGENT_STORE``, ``TORCHELASTIC_MAX_RESTARTS``).
+
+    Example:
+        >>> isinstance(restarts_share_agent_store(), bool)
+        True
+    """
+    import os
+
+    return (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
+    )
 
 
 def ddp_comm_hooks(ddp: torch.nn.Module) -> list[tuple[Callable, object]]:

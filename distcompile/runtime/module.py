@@ -107,7 +107,9 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
         self._sync = True
         self._outer_checked = False
         self._require_forward_param_sync = True
-        self._store_prefix = f"distcompile/wrap{next(_wrap_ids)}"
+        # Per attempt of a torchrun worker group: a restarted group may share the store of the
+        # last one (the agent's), whose keys and counters must not be read as this group's.
+        self._store_prefix = f"distcompile/attempt{compat.elastic_attempt()}/wrap{next(_wrap_ids)}"
         self._rank = dist.get_rank()
         self._ranks = list(settings.ranks)
         params = {n: p for n, p in module.named_parameters() if p.requires_grad and n not in settings.ignored}

@@ -169,3 +169,32 @@ def test_unwrap_gives_the_users_model_back(single_rank_group) -> None:
     assert distcompile.unwrap(torch.compile(DDP(net))) is net
     assert distcompile.unwrap(net) is net
     assert set(distcompile.unwrap(ours).state_dict()) == {"weight", "bias"}
+
+
+def test_restartable_torchrun_workers_on_the_agents_store_are_warned_once(
+    single_rank_group, monkeypatch, caplog
+) -> None:  # noqa: ANN001
+    """Issue 44: plain ``torchrun --max-restarts N`` shares the agent's store between attempts,
+    and a restarted gloo group then fails to connect; wrap says what to set, once."""
+    import logging
+
+    import distcompile._wrap as wrap_module
+
+    monkeypatch.setattr(wrap_module, "_warned_store", False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    with caplog.at_level(logging.WARNING, logger="distcompile"):
+        first = distcompile.wrap(DDP(nn.Linear(4, 4)), backend="eager")
+        distcompile.wrap(DDP(nn.Linear(4, 4)), backend="eager")
+    warnings = [
+        r.getMessage() for r in caplog.records if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in r.getMessage()
+    ]
+    assert len(warnings) == 1, caplog.text
+    assert first._store_prefix.startswith("distcompile/attempt2/"), first._store_prefix  # this attempt's keys
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    monkeypatch.setattr(wrap_module, "_warned_store", False)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="distcompile"):
+        distcompile.wrap(DDP(nn.Linear(4, 4)), backend="eager")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in caplog.text  # no restarts: nothing to say
