@@ -11,6 +11,7 @@ only through the small interfaces it is given (``backend.BucketRegistry``,
 - ``segments.py``: splitting the graph at the planned boundaries, compiling each piece.
 - ``reuse.py``: which pieces are interchangeable, so one compiled piece serves them all.
 - ``sharing.py``: compiles split between the ranks that share a cache folder, and across folders.
+- ``share_plan.py``: who compiles each piece, who publishes, whom each rank loads from (pure).
 - ``peers.py``: which ranks share a folder, which are warm; the heartbeat.
 - ``transfer.py``: compiled pieces packed, published and installed through the store.
 - ``cpu_checks.py``: Inductor's one-time CPU checks, split between ranks.
