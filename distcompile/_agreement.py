@@ -119,15 +119,16 @@ def compile_together(
         s.add(f"{key}/ndiffer", 1)
     if s.add(f"{key}/n", 1) == len(ranks):
         s.compare_set(f"{key}/decision", "", "together")
-    deadline = time.monotonic() + wait_s
-    while True:  # one key, polled: the decision
+    deadline, poll = time.monotonic() + wait_s, 0.005
+    while True:  # one key, polled (backing off to 0.1 s): the decision
         if s.check([f"{key}/decision"]):
             decision = s.get(f"{key}/decision")
             break
         if time.monotonic() > deadline:
             decision = s.compare_set(f"{key}/decision", "", "alone")
             break
-        time.sleep(0.01)
+        time.sleep(poll)
+        poll = min(2 * poll, 0.1)
     if decision != b"together":
         log.debug(
             "%s: compiled by this rank alone (the others did not compile it within %.0f s)", what, wait_s

@@ -69,8 +69,10 @@ SOURCES = ("compiled here", "cache", "same-folder peer", "other-folder peer")
 
 #: Seconds a rank waits at least for a peer's share of the compiles.
 PEER_WAIT_S = 600.0
-#: How often a rank looks whether a peer's share of the compiles is there.
-POLL_S = 0.05
+#: How often a rank looks whether a peer's share of the compiles is there: every POLL_S at
+#: first, then twice as long each time up to POLL_MAX_S (store operations grow with the
+#: wait, not with the number of ranks: Note [The control plane]).
+POLL_S, POLL_MAX_S = 0.01, 0.5
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -198,13 +200,14 @@ class CompileSharing:
         waited, limit, said = 0.0, max(self.timeout_s, PEER_WAIT_S), 0.0
         beat = f"{self.prefix}/beat/{peer}"
         beats, alive_at, why = store.add(beat, 0), 0.0, "as long as a compile lock is waited for"
-        start, next_look = time.monotonic(), 0.0
+        start, next_look, poll = time.monotonic(), 0.0, POLL_S
         while waited < limit:
             # Polled with check, not waited for in slices: a store wait that times out makes
             # c10d print a warning line each time (issue 45: a dozen lines in the demo).
             if store.check([key]):
                 return
-            time.sleep(POLL_S)
+            time.sleep(poll)
+            poll = min(2 * poll, POLL_MAX_S)
             waited = time.monotonic() - start
             if waited < next_look:
                 continue
