@@ -204,6 +204,20 @@ def desync_missing(rank: int, world: int) -> str:
     return "no error"
 
 
+def restart_counts_differ(rank: int, world: int) -> dict:
+    """Two nodes after one node's worker failed: its agent counts a restart, the other's does
+    not, so ``TORCHELASTIC_RESTART_COUNT`` differs between ranks. Their keys must not."""
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(rank)
+    torch.manual_seed(0)
+    first = distcompile.wrap(DDP(BUILDERS["mlp_seq"]()), backend="aot_eager", desync_timeout_s=20)
+    second = distcompile.wrap(DDP(BUILDERS["mlp_seq"]()), backend="aot_eager", desync_timeout_s=20)
+    x, y = batch("mlp_seq", rank, 0)
+    loss_fn("mlp_seq", first(x), y).backward()  # the first step's lockstep keys under the prefix
+    prefixes = [None] * world
+    dist.all_gather_object(prefixes, (first._store_prefix, second._store_prefix))
+    return {"prefixes": prefixes, "grads": [p.grad.clone() for p in first.parameters()]}
+
+
 def plain_module(rank: int, world: int) -> dict:
     """A plain module (no DDP) is broadcast from rank 0 and trains in sync."""
     torch.manual_seed(rank)  # different init on purpose: wrap must broadcast rank 0's

@@ -18,7 +18,6 @@ __all__ = [
     "ddp_ignored_names",
     "ddp_uses_python_reducer",
     "default_store",
-    "elastic_attempt",
     "restarts_share_agent_store",
     "store_get_within",
     "store_wait",
@@ -122,19 +121,6 @@ def store_get_within(store: Any, key: str, timeout: timedelta) -> bytes | None:
         raise
     finally:
         store.set_timeout(before)
-
-
-def elastic_attempt() -> int:
-    """Which attempt of a torchrun worker group this process belongs to (0 outside torchrun, or
-    before any restart). Checked: 2.11-2.15 (``TORCHELASTIC_RESTART_COUNT``, set by the agent).
-
-    Example:
-        >>> elastic_attempt() >= 0
-        True
-    """
-    import os
-
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def restarts_share_agent_store() -> bool:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_coalesced", "broadcast_coalesced"]
+__all__ = ["agreed_token", "all_reduce_coalesced", "broadcast_coalesced", "group_device"]
 
 
 def _flat_groups(tensors: Sequence[torch.Tensor]) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
@@ -54,3 +55,32 @@ def all_reduce_coalesced(
     for members, flat in _flat_groups(tensors):
         dist.all_reduce(flat, op=op, group=group)
         _scatter_back(members, flat)
+
+
+def group_device(group: dist.ProcessGroup | None, tensors: Sequence[torch.Tensor] = ()) -> torch.device:
+    """Where a small collective on ``group`` runs: CUDA under NCCL (the first CUDA tensor's
+    device, else the current one), the CPU otherwise.
+
+    Example:
+        >>> # group_device(None, list(model.parameters()))
+    """
+    if dist.get_backend(group) == "nccl":
+        return next((t.device for t in tensors if t.is_cuda), torch.device("cuda"))
+    return torch.device("cpu")
+
+
+def agreed_token(*, src: int, group: dist.ProcessGroup | None, device: torch.device) -> int:
+    """A random 62-bit number drawn on global rank ``src`` and returned on every rank of ``group``.
+
+    A collective (one broadcast of one integer). It names one life of a process group: keys
+    a group writes under it cannot be read by a later group on the same store, even where
+    the store outlives the group (torchrun's agent store across restarts) and where the
+    ranks' restart counts differ (each node's agent counts its own restarts).
+
+    Example:
+        >>> # prefix = f"distcompile/{agreed_token(src=0, group=None, device=cpu):x}"
+    """
+    drawn = secrets.randbits(62) if dist.get_rank() == src else 0
+    token = torch.tensor([drawn], dtype=torch.int64, device=device)
+    dist.broadcast(token, src=src, group=group)
+    return int(token.item())

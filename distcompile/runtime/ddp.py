@@ -24,7 +24,7 @@ from .._config import Config
 from .._errors import ConfigError, UnsupportedModelError
 from ..planning.costs import CostModel
 from ..planning.plan import DEFAULT_FIRST_BUCKET_BYTES
-from .collectives import broadcast_coalesced
+from .collectives import agreed_token, broadcast_coalesced, group_device
 from .hooks import CommHook, adopt_hook, builtin_hook
 from .measure import measure_costs
 from .nesting import data_parallel_kind, find_inner_data_parallel
@@ -56,6 +56,8 @@ class Settings:
             steps and ranks (Note [Graphs that differ by data]).
         device: Where inputs go (the DDP model's ``device_ids[0]``), or ``None``.
         costs: The measured cost model under ``bucket_cap_mb="auto"``, else ``None``.
+        store_root: The prefix of this wrapped model's keys in the job's store, drawn on the
+            group's first rank for this life of the group (:func:`agreed_token`).
     """
 
     group: dist.ProcessGroup | None
@@ -70,6 +72,7 @@ class Settings:
     find_unused: bool
     device: torch.device | None
     costs: CostModel | None
+    store_root: str
 
 
 def adopt(model: nn.Module, cfg: Config) -> tuple[nn.Module, Settings]:
@@ -146,6 +149,7 @@ def adopt(model: nn.Module, cfg: Config) -> tuple[nn.Module, Settings]:
     if cfg.bucket_cap_mb == "auto":
         device = fields["device"] or (params[0].device if params else torch.device("cpu"))
         costs = measure_costs(group=group, device=device, remember_dir=_costs_dir())
+    token = agreed_token(src=ranks[0], group=group, device=group_device(group, params))
     return inner, Settings(
         **fields,
         ranks=ranks,
@@ -156,6 +160,7 @@ def adopt(model: nn.Module, cfg: Config) -> tuple[nn.Module, Settings]:
         compression=cfg.compression or compression,
         comm_hook=comm_hook,
         costs=costs,
+        store_root=f"distcompile/{token:016x}",
     )
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 from collections.abc import Iterator
 from typing import Protocol
@@ -34,12 +33,6 @@ from .verify import StepCheck
 __all__ = ["DistCompiledModule", "Observer"]
 
 log = logging.getLogger(__name__)
-
-#: Store-key prefix of each wrapped model. A per-process counter: every rank must wrap its
-#: models in the same order (``wrap`` is a collective), so the n-th model of every rank
-#: gets the same prefix.
-_wrap_ids = itertools.count()
-
 
 class Observer(StepObserver, CompileObserver, Protocol):
     """Both observer interfaces, and ``close`` (``wrap`` passes the telemetry object)."""
@@ -107,9 +100,9 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
         self._sync = True
         self._outer_checked = False
         self._require_forward_param_sync = True
-        # Per attempt of a torchrun worker group: a restarted group may share the store of the
-        # last one (the agent's), whose keys and counters must not be read as this group's.
-        self._store_prefix = f"distcompile/attempt{compat.elastic_attempt()}/wrap{next(_wrap_ids)}"
+        # Drawn for this wrap and this life of the group: a restarted group may share the store
+        # of the last one (torchrun's agent store), whose keys must not be read as this group's.
+        self._store_prefix = settings.store_root
         self._rank = dist.get_rank()
         self._ranks = list(settings.ranks)
         params = {n: p for n, p in module.named_parameters() if p.requires_grad and n not in settings.ignored}

@@ -56,7 +56,7 @@ from torch import nn
 from .. import _torch_compat as compat
 from .._errors import VerificationError
 from .checkpoint import rng_state, set_rng_state
-from .collectives import all_reduce_coalesced
+from .collectives import all_reduce_coalesced, group_device
 
 __all__ = ["StepCheck"]
 
@@ -223,10 +223,7 @@ class StepCheck:
         )
 
     def _device(self) -> torch.device:
-        first = next(iter(self.params.values()), None)
-        if dist.get_backend(self.group) == "nccl":
-            return first.device if first is not None and first.is_cuda else torch.device("cuda")
-        return torch.device("cpu")
+        return group_device(self.group, list(self.params.values())[:1])
 
     def _tol(self, armed: _Armed) -> float:
         if self.tolerance is not None:

@@ -95,3 +95,16 @@ def test_a_backward_inductor_cannot_compile_raises_a_compile_error_in_backward()
         assert msg.startswith("rank ") and "compiling the backward of a piece" in msg, msg
         assert "AssertionError: an internal check failed" in msg, msg
         assert "backend='aot_eager'" in msg, msg
+
+
+def test_ranks_whose_restart_counts_differ_share_one_store_prefix() -> None:
+    """The SLURM failure of a restarted two-node job: each agent counts its own restarts, and a
+    prefix built from that count split the ranks' keys (a DesyncError after desync_timeout_s)."""
+    import numpy as np
+
+    results = run_ranks(workers.restart_counts_differ, 2, timeout=120)
+    first, second = results[0]["prefixes"][0]
+    assert results[0]["prefixes"] == results[1]["prefixes"] == [(first, second)] * 2, results
+    assert first != second  # each wrap its own keys
+    for a, b in zip(results[0]["grads"], results[1]["grads"]):
+        np.testing.assert_array_equal(a, b)
