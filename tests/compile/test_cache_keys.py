@@ -35,6 +35,7 @@ else:  # torch's own advice for retain_graph=True, on that cache
 
 
 @pytest.mark.long  # two processes on one cache, Inductor (about a minute on 2 cores)
+@pytest.mark.torch_compat
 def test_retain_graph_after_a_run_that_donated_buffers_into_the_cache(tmp_path) -> None:  # noqa: ANN001
     env = child_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
     for what in ("train", "retain"):

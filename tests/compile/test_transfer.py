@@ -159,6 +159,7 @@ def test_a_trace_restarted_on_every_rank_is_still_compiled_once() -> None:
 
 
 @pytest.mark.long  # two runs of the job (about a minute); CI runs it after the README's command
+@pytest.mark.torch_compat
 @pytest.mark.parametrize("model", ["gpt", "one_piece"])
 def test_after_a_restart_a_rank_whose_folder_was_emptied_loads_everything(model: str) -> None:
     """The job ran once (both folders warm); then one folder is emptied, as on a replacement
@@ -178,6 +179,7 @@ def test_after_a_restart_a_rank_whose_folder_was_emptied_loads_everything(model:
 
 
 @pytest.mark.long  # two runs of the job; CI runs it after the README's command
+@pytest.mark.torch_compat
 def test_a_job_resumed_on_empty_caches_installs_the_pieces_saved_with_its_checkpoint() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         shared, fresh = os.path.join(tmp, "node"), [os.path.join(tmp, f"fresh{r}") for r in (0, 1)]

@@ -174,6 +174,7 @@ def test_retain_graph_under_inductor() -> None:
 
 
 @pytest.mark.long  # compiles the model twice with Inductor (about 30 s on a cold cache)
+@pytest.mark.torch_compat
 def test_warm_restart_reuses_compiled_pieces() -> None:
     """A second compile of the same model loads every piece from AOTAutograd's cache."""
     for res in run_ranks(workers.warm_restart, 2, "odd_strides", timeout=900):

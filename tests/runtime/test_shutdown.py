@@ -28,6 +28,7 @@ for _ in range(50):
 
 
 @pytest.mark.long
+@pytest.mark.torch_compat
 def test_ranks_whose_last_line_is_a_collective_exit_cleanly(tmp_path: Path) -> None:
     # Measured on 2 cores, torch 2.13.0, Python 3.11.7, "terminate called without an
     # active exception" (SIGABRT) in: the same script without "import distcompile": 34 of
