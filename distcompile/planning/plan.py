@@ -96,6 +96,9 @@ class Plan:
         pieces: ``(start, stop)`` node ranges compiled separately, a refinement of the
             segments: each repeated block is its own piece, so identical blocks compile
             once (Note [Repeated blocks]). Equal to ``segments`` without repeated blocks.
+        predicted_s: Planned from measured costs: the seconds the cost model predicts from
+            backward's start to the end of the last all-reduce (``search.starts_by_cost``);
+            ``None`` when planned by the bucket caps.
     """
 
     segments: tuple[tuple[int, int], ...]
@@ -105,6 +108,7 @@ class Plan:
     foreign: tuple[str, ...]
     unused: tuple[str, ...]
     pieces: tuple[tuple[int, int], ...] = ()
+    predicted_s: float | None = None
 
     @property
     def compiled_pieces(self) -> tuple[tuple[int, int], ...]:
@@ -224,11 +228,12 @@ def plan_graph(
     n = len(nodes)
     firsts_bytes = [sum(param_bytes[p] for p in firsts_at.get(i, ())) for i in range(n)]
     blocks, inner, allowed = _cut_rules(nodes, firsts_bytes, blocks, sealed, bucket_cap)
+    predicted = None
     if costs is None:
         starts = _starts_by_cap(nodes, firsts_bytes, bucket_cap, first_bucket_cap, allowed)
     else:
         shared = _shared_uses(nodes, param_bytes, first_use, costs) if costs.split_shared else ()
-        starts = starts_by_cost(nodes, firsts_bytes, costs, allowed, shared)
+        starts, predicted = starts_by_cost(nodes, firsts_bytes, costs, allowed, shared)
     if len(starts) > 1 and not any(first_use[p] < starts[1] for p in first_use):
         starts.pop(1)  # a parameter-free preamble joins the next segment
     bounds = tuple(zip(starts, [*starts[1:], n])) if n else ((0, 0),)
@@ -251,6 +256,7 @@ def plan_graph(
         foreign=tuple(foreign),
         unused=tuple(p for p in param_bytes if p not in uses),
         pieces=piece_bounds(n, starts, blocks, inner, [x.last_user for x in nodes]) if n else bounds,
+        predicted_s=predicted,
     )
 
 

@@ -141,14 +141,17 @@ def starts_by_cost(
     costs: GraphCosts,
     allowed: set[int] | None = None,
     shared: Sequence[SharedUse] = (),
-) -> list[int]:
+) -> tuple[list[int], float]:
     """Segment starts that end the step's communication earliest (``shared``: the
-    parameters reduced by use, priced by :func:`segment_bytes`).
+    parameters reduced by use, priced by :func:`segment_bytes`), and the seconds the model
+    predicts for them: from backward's start to the end of the last all-reduce, with the
+    segments' forward and backward overheads.
 
     Example:
         >>> from distcompile.planning.plan import NodeInfo
         >>> nodes = [NodeInfo("a", ("w",), 1), NodeInfo("b", ("v",), 2)]
-        >>> starts_by_cost(nodes, [8e6, 8e6], GraphCosts([0.1, 0.1], 1e-4, 1e8))
+        >>> starts, predicted = starts_by_cost(nodes, [8e6, 8e6], GraphCosts([0.1, 0.1], 1e-4, 1e8))
+        >>> starts
         [0, 1]
     """
     n = len(nodes)
@@ -196,7 +199,7 @@ def starts_by_cost(
         if finish[0][k] < inf
     }
     if not totals:
-        return [0]
+        return [0], 0.0
     best = min(totals.values())
 
     def tail_bytes(k: int) -> int:  # what the plan's first segment sends after backward
@@ -213,4 +216,4 @@ def starts_by_cost(
     while k > 0:
         starts.append(points[a])
         a, k = choice[a][k], k - 1
-    return starts
+    return starts, totals[len(starts)]

@@ -34,6 +34,7 @@ __all__ = ["DistCompiledModule", "Observer"]
 
 log = logging.getLogger(__name__)
 
+
 class Observer(StepObserver, CompileObserver, Protocol):
     """Both observer interfaces, and ``close`` (``wrap`` passes the telemetry object)."""
 

@@ -7,8 +7,10 @@ computed from measured compute and link speed (``floor.py`` defines the terms):
     floor = t_fwd + max(t_bwd + t_tail, t_head + t_comm) + t_opt
 
 Links: ``loopback``, or a real shaped link (``1gbit``, ``200mbit``): two network
-namespaces joined by a veth pair, both ends limited with ``tc ... tbf``, one rank in each.
-Everything created is removed on exit, also on failure or Ctrl-C.
+namespaces joined by a veth pair, both ends limited with ``tc ... tbf``, one rank in each;
+with ``--nodes`` above 2, that many namespaces on a switch whose ports are shaped so, and
+``--ranks-per-node`` ranks in each (their traffic inside a node is unshaped, as on a real
+node). Everything created is removed on exit, also on failure or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from .netns import can_make_namespaces, veth_pair
+from .netns import can_make_namespaces, star, veth_pair
 from .report import report_markdown, table, write_results
 from .scaling import SCALING_DEFAULT, run_scaling
 from .sharing import run_sharing
@@ -38,9 +40,12 @@ _RATES = {"1gbit": 1e9, "200mbit": 200e6}
 
 # ----------------------------------------------------------------------------- parent side
 def _check_device(p: argparse.ArgumentParser, args: argparse.Namespace, names: list[str]) -> None:
-    """Set ``args.world`` (GPUs present on cuda, else 2); refuse what the device cannot run."""
+    """Set ``args.world`` (GPUs present on cuda, else nodes x ranks per node); refuse what the
+    device cannot run."""
     if args.device == "cpu":
-        args.world = 2
+        if args.nodes < 1 or args.ranks_per_node < 1 or args.nodes * args.ranks_per_node < 2:
+            p.error(f"--nodes {args.nodes} x --ranks-per-node {args.ranks_per_node}: give at least 2 ranks")
+        args.world = args.nodes * args.ranks_per_node
         cuda_only = [n for n in names if n in CUDA_ONLY]
         if cuda_only:
             p.error(f"variant(s) {cuda_only} need CUDA graphs, hence a GPU; add --device cuda or drop them")
@@ -66,8 +71,9 @@ def _check_device(p: argparse.ArgumentParser, args: argparse.Namespace, names: l
 
 
 @contextlib.contextmanager
-def _shaped_link(link: str) -> Iterator[tuple[list[str], list[str], list[str]] | None]:
-    """Two namespaces joined by a tbf-shaped veth pair; yields (namespaces, devices, addresses)."""
+def _shaped_link(link: str, nodes: int = 2) -> Iterator[tuple[list[str], list[str], list[str]] | None]:
+    """``nodes`` namespaces on tbf-shaped links (a veth pair for 2, a switch for more); yields
+    (namespaces, devices, addresses), one entry per node."""
     reason = can_make_namespaces() if link != "loopback" else None
     if link == "loopback" or reason:
         if reason:
@@ -79,13 +85,10 @@ def _shaped_link(link: str) -> Iterator[tuple[list[str], list[str], list[str]] |
     # SIGTERM would skip the cleanup; turn it into an exception that unwinds through it.
     old = signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        with veth_pair("10.213.9", rate=link) as pair:
-            print(
-                f"[bench] shaped link: {link} between namespaces {pair.namespaces[0]} ({pair.addresses[0]}) "
-                f"and {pair.namespaces[1]} ({pair.addresses[1]})",
-                flush=True,
-            )
-            yield list(pair.namespaces), list(pair.devices), list(pair.addresses)
+        with veth_pair("10.213.9", rate=link) if nodes == 2 else star("10.213.12", nodes, rate=link) as net:
+            where = ", ".join(f"{ns} ({addr})" for ns, addr in zip(net.namespaces, net.addresses))
+            print(f"[bench] shaped link: {link} between namespaces {where}", flush=True)
+            yield list(net.namespaces), list(net.devices), list(net.addresses)
     finally:
         signal.signal(signal.SIGTERM, old)
 
@@ -105,7 +108,8 @@ def _launch(
     for rank in range(args.world):
         cache = cache_dir if isinstance(cache_dir, str) else cache_dir[rank]  # a folder per rank: a node each
         env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
-        env["GLOO_SOCKET_IFNAME"] = "lo" if net is None else net[1][rank]
+        node = rank // args.ranks_per_node if args.device == "cpu" else 0
+        env["GLOO_SOCKET_IFNAME"] = "lo" if net is None else net[1][node]
         cmd = [
             sys.executable,
             "-m",
@@ -122,7 +126,7 @@ def _launch(
             *extra,
         ]
         if net is not None:
-            cmd = ["ip", "netns", "exec", net[0][rank], *cmd]
+            cmd = ["ip", "netns", "exec", net[0][node], *cmd]
         procs.append(subprocess.Popen(cmd, env=env, stdout=None if rank == 0 else subprocess.DEVNULL))
     try:
         codes = [p.wait(timeout=args.timeout) for p in procs]
@@ -169,6 +173,13 @@ def _link(args: argparse.Namespace, net: object) -> tuple[str, str]:
         )
     if args.device == "cuda":
         return "cuda", f"NCCL between {args.world} GPU(s) of this machine"
+    if net and (len(net[0]) > 2 or args.ranks_per_node > 1):
+        return (
+            f"{args.link}-{len(net[0])}x{args.ranks_per_node}",
+            f"{len(net[0])} network namespaces ('nodes') of {args.ranks_per_node} rank(s), "
+            + ("joined by a veth pair" if len(net[0]) == 2 else "on one switch (a bridge)")
+            + f", each node's port shaped both ways with tc tbf rate {args.link}; unshaped inside a node",
+        )
     if net:
         return (
             args.link,
@@ -186,8 +197,15 @@ def _parser() -> argparse.ArgumentParser:
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
-        help="cpu: two gloo ranks (on --link); cuda: one NCCL rank per GPU present",
+        help="cpu: gloo ranks (--nodes x --ranks-per-node, on --link); cuda: one NCCL rank per GPU present",
     )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=2,
+        help="cpu: 'nodes' (network namespaces on --link; processes on loopback) of --ranks-per-node ranks",
+    )
+    p.add_argument("--ranks-per-node", type=int, default=1, help="cpu: ranks in each node (default 1)")
     p.add_argument(
         "--ranks-per-gpu",
         type=int,
@@ -312,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile_scaling:
         return run_scaling(args, names, _launch, argv if argv is not None else sys.argv[1:])
     if args.compile_sharing:
-        with _shaped_link(args.link) as net:
+        with _shaped_link(args.link, args.nodes) as net:
             return run_sharing(
                 args, _launch, net, _link(args, net), argv if argv is not None else sys.argv[1:]
             )
@@ -336,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     ] + (["--small"] if args.small else [])
     if args.trace_dir:
         common += ["--trace-dir", os.path.abspath(args.trace_dir)]
-    with tempfile.TemporaryDirectory(prefix="dc_bench_") as tmp, _shaped_link(args.link) as net:
+    with tempfile.TemporaryDirectory(prefix="dc_bench_") as tmp, _shaped_link(args.link, args.nodes) as net:
         cache = os.path.join(tmp, "inductor_cache")
         out = os.path.join(tmp, "result.json")
         link, detail = _link(args, net)

@@ -253,7 +253,36 @@ def report_markdown(res: dict) -> str:
                     for n, r in res["variants"].items()
                     if "plan" in r
                 ],
+                *_predictions(res),
             ]
         )
         + "\n"
     )
+
+
+def _predictions(res: dict) -> list[str]:
+    """The ``'auto'`` planner's step against the measured one, for the variants it planned."""
+    floor = res.get("floor") or {}
+    rows = [
+        (n, r)
+        for n, r in res["variants"].items()
+        if r.get("plan", {}).get("predicted_ms") and "median_ms" in r
+    ]
+    if not rows or "t_fwd_ms" not in floor:
+        return []
+    lines = [
+        "",
+        "The planner's prediction (`bucket_cap_mb='auto'`): predicted step = t_fwd + the cost model's "
+        "backward-and-communication time for the chosen plan (its compute from FLOPs at the measured "
+        "matmul rate, backward taken as twice forward; its all-reduces from the measured latency and "
+        "bandwidth) + t_opt; t_fwd and t_opt from the floor's compute-only steps.",
+        "",
+    ]
+    for n, r in rows:
+        predicted = floor["t_fwd_ms"] + r["plan"]["predicted_ms"] + floor["t_opt_ms"]
+        lines.append(
+            f"- {n}: predicted {predicted:.1f} ms, measured {r['median_ms']:.1f} ms "
+            f"({predicted / r['median_ms'] - 1:+.1%}); backward and communication predicted "
+            f"{r['plan']['predicted_ms']:.1f} ms against a measured backward alone of {floor['t_bwd_ms']:.1f} ms"
+        )
+    return lines

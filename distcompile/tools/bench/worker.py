@@ -116,6 +116,7 @@ def _build_all(w: Workload, names: list[str], results: dict[str, dict]) -> list[
                 "pieces_reused": sum(g.pieces_reused for g in graphs),
                 "cache_hits": sum(g.cache_hits for g in graphs),
                 "sources": {k: sum(g.piece_sources.get(k, 0) for g in graphs) for k in SOURCES},
+                "predicted_ms": sum((g.plan.predicted_s or 0.0) for g in graphs) * 1e3,
             }
         w.say(f"{name}: first step {first:.2f} s")
         variants.append(v)
