@@ -6,6 +6,7 @@ import gzip
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,46 @@ def test_compile_scaling_mode_writes_table_and_json(tmp_path: Path) -> None:
     dc = [r for r in rows if r["variant"] == "dc_inductor"]
     assert dc[0]["pieces_compiled"] == dc[1]["pieces_compiled"], dc  # twice the layers, no more compiles
     assert "cold vs regional" in proc.stdout and js.with_suffix(".md").exists()
+
+
+def test_a_shaped_star_of_namespaces_connects_every_node_and_leaves_nothing() -> None:
+    """``--nodes`` above 2: nodes on one switch, each port shaped; all gone on exit."""
+    from distcompile.tools.bench.netns import can_make_namespaces, star
+
+    reason = can_make_namespaces()
+    if reason:
+        pytest.skip(reason)
+    serve = (
+        "import socket, sys; s = socket.socket(); s.bind((sys.argv[1], 5077)); s.listen(); c, _ = s.accept(); "
+        "n = 0\nwhile (d := c.recv(1 << 20)): n += len(d)\nprint(n)"
+    )
+    send = (
+        "import socket, sys; s = socket.create_connection((sys.argv[1], 5077)); s.sendall(bytes(4_000_000))"
+    )
+    with star("10.213.15", 3, rate="200mbit") as net:
+        names = set(net.namespaces)
+        assert len(names) == 3 and len(set(net.addresses)) == 3
+        for a, b in ((0, 2), (2, 1)):
+            server = subprocess.Popen(
+                ["ip", "netns", "exec", net.namespaces[b], sys.executable, "-c", serve, net.addresses[b]],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(50):  # until the server listens
+                sent = subprocess.run(
+                    ["ip", "netns", "exec", net.namespaces[a], sys.executable, "-c", send, net.addresses[b]],
+                    capture_output=True,
+                )
+                if sent.returncode == 0:
+                    break
+                time.sleep(0.1)
+            out, _ = server.communicate(timeout=60)
+            assert out.strip() == "4000000", (a, b, out)
+        qdiscs = subprocess.run(
+            ["ip", "netns", "exec", net.namespaces[0], "tc", "qdisc", "show", "dev", net.devices[0]],
+            capture_output=True,
+            text=True,
+        ).stdout
+        assert "tbf" in qdiscs and "200Mbit" in qdiscs, qdiscs
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not names & {line.split()[0] for line in left.splitlines() if line.strip()}, left
