@@ -228,9 +228,8 @@ def plan_graph(
     n = len(nodes)
     firsts_bytes = [sum(param_bytes[p] for p in firsts_at.get(i, ())) for i in range(n)]
     blocks, inner, allowed = _cut_rules(nodes, firsts_bytes, blocks, sealed, bucket_cap)
-    predicted = None
     if costs is None:
-        starts = _starts_by_cap(nodes, firsts_bytes, bucket_cap, first_bucket_cap, allowed)
+        starts, predicted = _starts_by_cap(nodes, firsts_bytes, bucket_cap, first_bucket_cap, allowed), None
     else:
         shared = _shared_uses(nodes, param_bytes, first_use, costs) if costs.split_shared else ()
         starts, predicted = starts_by_cost(nodes, firsts_bytes, costs, allowed, shared)

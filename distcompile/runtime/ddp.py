@@ -116,6 +116,30 @@ def adopt(model: nn.Module, cfg: Config) -> tuple[nn.Module, Settings]:
             "drop cudagraphs=True on this machine."
         )
     ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    _check_across_ranks(model, inner, ranks, cfg, group)
+    costs = None
+    if cfg.bucket_cap_mb == "auto":
+        device = fields["device"] or (params[0].device if params else torch.device("cpu"))
+        costs = measure_costs(group=group, device=device, remember_dir=_costs_dir())
+    token = agreed_token(src=ranks[0], group=group, device=group_device(group, params))
+    return inner, Settings(
+        **fields,
+        ranks=ranks,
+        bucket_cap=cap,
+        first_bucket_cap=first_cap,
+        broadcast_buffers=_pick(cfg.broadcast_buffers, broadcast_buffers),
+        grad_as_view=_pick(cfg.gradient_as_bucket_view, grad_as_view),
+        compression=cfg.compression or compression,
+        comm_hook=comm_hook,
+        costs=costs,
+        store_root=f"distcompile/{token:016x}",
+    )
+
+
+def _check_across_ranks(
+    model: nn.Module, inner: nn.Module, ranks: tuple[int, ...], cfg: Config, group: dist.ProcessGroup | None
+) -> None:
+    """A DDP model's parameter values; a plain module's shapes, then rank 0's states broadcast."""
     if isinstance(model, DDP):
         if cfg.check_params:
             _agree_on(
@@ -142,26 +166,9 @@ def adopt(model: nn.Module, cfg: Config) -> tuple[nn.Module, Settings]:
             "the model's parameter names, shapes and dtypes",
             "Every rank must build the same model before wrap().",
         )
-        states = [p.detach() for p in params] + [b.detach() for b in inner.buffers()]
+        states = [p.detach() for p in inner.parameters()] + [b.detach() for b in inner.buffers()]
         if states:
             broadcast_coalesced(states, src=ranks[0], group=group)
-    costs = None
-    if cfg.bucket_cap_mb == "auto":
-        device = fields["device"] or (params[0].device if params else torch.device("cpu"))
-        costs = measure_costs(group=group, device=device, remember_dir=_costs_dir())
-    token = agreed_token(src=ranks[0], group=group, device=group_device(group, params))
-    return inner, Settings(
-        **fields,
-        ranks=ranks,
-        bucket_cap=cap,
-        first_bucket_cap=first_cap,
-        broadcast_buffers=_pick(cfg.broadcast_buffers, broadcast_buffers),
-        grad_as_view=_pick(cfg.gradient_as_bucket_view, grad_as_view),
-        compression=cfg.compression or compression,
-        comm_hook=comm_hook,
-        costs=costs,
-        store_root=f"distcompile/{token:016x}",
-    )
 
 
 _WHERE_TO_WRAP = (

@@ -244,22 +244,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the cold and warm first steps and peak RSS (each variant alone, in new processes)",
     )
-    p.add_argument(
-        "--compile-scaling",
-        action="store_true",
-        help="instead of step times: cold and warm first step, and a recompile after a sequence-length "
-        "change, against depth (--depths), each variant alone with its own empty compile cache",
-    )
-    p.add_argument("--depths", default="2,8,16,32", help="layer counts of the compile-scaling mode")
-    p.add_argument(
-        "--compile-sharing",
-        action="store_true",
-        help="instead of step times: the job's first step with one cache folder per rank (compiles "
-        "shared through the store, or not) against one shared folder, cold, and at a restart with one "
-        "folder emptied against both warm",
-    )
-    p.add_argument("--control-plane", action="store_true", help="instead: the store protocols at --ranks")
-    p.add_argument("--ranks", default="2,8,64,256,1024", help="simulated job sizes of --control-plane")
+    _add_modes(p)
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument(
         "--trace-dir",
@@ -278,6 +263,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--recompile", action="store_true", help=argparse.SUPPRESS)
     return p
+
+
+def _add_modes(p: argparse.ArgumentParser) -> None:
+    """The modes that measure something other than step times."""
+    p.add_argument(
+        "--compile-scaling",
+        action="store_true",
+        help="instead of step times: cold and warm first step, and a recompile after a sequence-length "
+        "change, against depth (--depths), each variant alone with its own empty compile cache",
+    )
+    p.add_argument("--depths", default="2,8,16,32", help="layer counts of the compile-scaling mode")
+    p.add_argument(
+        "--compile-sharing",
+        action="store_true",
+        help="instead of step times: the job's first step with one cache folder per rank (compiles "
+        "shared through the store, or not) against one shared folder, cold, and at a restart with one "
+        "folder emptied against both warm",
+    )
+    p.add_argument("--control-plane", action="store_true", help="instead: the store protocols at --ranks")
+    p.add_argument("--ranks", default="2,8,64,256,1024", help="simulated job sizes of --control-plane")
 
 
 def _variant_names(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
