@@ -418,7 +418,7 @@ def tail_compression(rank: int, world: int) -> dict:
     x, y = batch("gpt", rank, 0)
     for model in (ref, ours):
         loss_fn("gpt", model(x), y).backward()
-    order, _ = next(iter(ours._reducer._schedules.values()))
+    order, _ = next(iter(ours._reducer.layout.schedules.values()))
     return {
         "ref": {n: p.grad.clone() for n, p in ref.module.named_parameters()},
         "ours": {n: p.grad.clone() for n, p in ours.module.named_parameters()},

@@ -8,6 +8,7 @@ May import ``compile``, ``capture``, ``planning`` and the leaves. It never impor
 - ``surface.py``: DDP's own API on it (communication hooks, ``Join``, the rest).
 - ``nesting.py``: data-parallel wrappers in the wrong place, as errors.
 - ``reducer.py``: the bucketed all-reduce of a synchronized step.
+- ``layout.py``: which buckets a step's gradients travel in (frozen or not), cached.
 - ``schedule.py``: a step's buckets in launch order, from the graphs that ran.
 - ``bucket.py``: one flat bucket: buffer, used flags, launch, write.
 - ``rows.py``: an embedding table reduced by the rows looked up.

@@ -63,17 +63,9 @@ from ..planning.split import SplitPlan
 from .bucket import FlatBucket, comm_error
 from .graph_memory import take_ownership
 from .hooks import CommHook
+from .layout import BucketForm, Layouts
 from .optim_in_backward import OptimizersInBackward
-from .parts import SharedParts
-from .schedule import (
-    Bucket,
-    OpenStep,
-    build_schedule,
-    claimed_by,
-    layout_groups,
-    report_uncompiled,
-    static_groups,
-)
+from .schedule import Bucket, OpenStep, report_uncompiled
 from .stats import StepObserver, StepStats
 from .writeback import WriteBack
 
@@ -110,18 +102,15 @@ class BucketReducer(WriteBack):
     ) -> None:
         self.params = dict(params)
         self.grads_in_graph_memory = grads_in_graph_memory  # Note [Gradients in CUDA-graph memory]
-        self.sparse = set(sparse)
+        self.layout = Layouts(
+            self.params, sparse=set(sparse), bucket_caps=bucket_caps, agree=agree_layout, freeze=freeze
+        )
+        self.parts = self.layout.parts  # Note [Shared weights reduced by use]
         self.comm_hook = comm_hook
         self._pending_hook: tuple[CommHook | None, str | None] | None = None
         self._last_order: list[Bucket] | None = None  # the last synchronized step's (Join shadows it)
         self._last_hooked: torch.futures.Future | None = None  # the previous bucket's hook (one at a time)
         self.optimizers = OptimizersInBackward(self.params)
-        self.parts = SharedParts(self.params)  # Note [Shared weights reduced by use]
-        self._static: list[list[str]] | None = None  # a frozen layout (freeze_layout)
-        self._static_rows: set[int] = set()  # its row-reduced parameters
-        self._freeze = freeze
-        self.bucket_caps = bucket_caps
-        self.agree_layout = agree_layout
         self.observer = observer
         self.detect_nonfinite = detect_nonfinite
         self.describe_peers = describe_peers
@@ -131,9 +120,6 @@ class BucketReducer(WriteBack):
         self.compress_tail_only = compress_tail_only
         self.grad_as_view = grad_as_view
         self.world_size = dist.get_world_size(group)
-        self._graph_buckets: dict[int, list[list[str]]] = {}
-        # graphs that ran -> (buckets in launch order, id(param) -> (bucket, slot))
-        self._schedules: dict[tuple[int, ...], tuple[list[Bucket], dict]] = {}
         self._step: OpenStep | None = None
         self._warned_unsynced = False
         self.last_step = StepStats()
@@ -150,9 +136,7 @@ class BucketReducer(WriteBack):
         plan: Plan | None = None,
     ) -> None:
         """Register the planned buckets (parameter names, gradient order) of a graph, and its parts."""
-        self._graph_buckets[graph_id] = [list(b) for b in buckets]
-        if split is not None and plan is not None:
-            self.parts.add_graph(graph_id, split, plan)
+        self.layout.add_graph(graph_id, buckets, split, plan)
 
     def begin_forward(self, join_work: dist.Work | None = None, divide_by_initial: bool = True) -> None:
         """Open a step (if none is open): the next backward synchronizes gradients.
@@ -162,7 +146,7 @@ class BucketReducer(WriteBack):
         if self._step is None:
             if self._pending_hook is not None:
                 (self.comm_hook, self.compression), self._pending_hook = self._pending_hook, None
-                self._schedules.clear()  # buckets are rebuilt for the new hook
+                self.layout.clear()  # buckets are rebuilt for the new hook
             self.optimizers.adopt_new()
             self._step = OpenStep(join_work, divide_by_initial)
             self._waited_s = 0.0
@@ -190,7 +174,7 @@ class BucketReducer(WriteBack):
         return set() if self._step is None else self._claimed_by(self._step)
 
     def _claimed_by(self, step: OpenStep) -> set[str]:
-        return claimed_by(self._graph_buckets, step.graphs)
+        return self.layout.claimed_by(step.graphs)
 
     @property
     def step_open(self) -> bool:
@@ -209,69 +193,16 @@ class BucketReducer(WriteBack):
         (``agree_layout``): the same everywhere, it is kept (graph-aligned, as planned); not,
         they take DDP's (reverse parameter order, cut at the bucket caps). Idempotent.
         """
-        if self._static is None:
-            self._freeze = True
+        self.layout.freeze()
 
-    def _frozen_groups(self, graphs: tuple[int, ...]) -> list[list[str]]:
-        buckets, params, rows = self.parts.layout(self._graph_buckets, graphs) or (
-            self._graph_buckets,
-            self.params,
-            set(),
+    def _form(self) -> BucketForm:
+        return BucketForm(
+            compression=None if self.comm_hook is not None else self.compression,
+            compress_tail_only=self.compress_tail_only,
+            grad_as_view=self.grad_as_view,
+            fresh_grads=self.grads_in_graph_memory,
+            splits=self._splits(),
         )
-        agreed = self.agree_layout(layout_groups(buckets, graphs, list(params)))
-        self._static_rows = rows if agreed is not None else set()
-        if agreed is not None:
-            return agreed
-        cap, first_cap = self.bucket_caps
-        log.info(
-            "the ranks' graphs gave different bucket layouts: gradients travel in DDP's (reverse parameter order)"
-        )
-        return static_groups(self.params, cap=cap, first_cap=first_cap)
-
-    def _layouts(self, graphs: tuple[int, ...]) -> list[tuple[Mapping, Mapping, set[int]]]:
-        """Bucket layouts to try, best first: with parts and row buckets (Note [Shared weights
-        reduced by use]; not under a communication hook), then without."""
-        if self._static is not None:
-            layouts = self.parts.static_layouts(self._static, self._static_rows)
-        else:
-            layouts = [
-                self.parts.layout(self._graph_buckets, graphs),
-                (self._graph_buckets, self.params, set()),
-            ]
-        if not self._splits() and any(x is not None for x in layouts[:-1]):
-            log.debug("a communication hook reduces the buckets: shared parameters go whole, as under DDP")
-        return [x for x in layouts[:-1] if x is not None and self._splits()] + layouts[-1:]
-
-    def _schedule(self, graphs: tuple[int, ...]) -> tuple[list[Bucket], dict]:
-        if self._freeze:
-            self._freeze = False
-            self._static = self._frozen_groups(graphs)
-            self._schedules.clear()
-        if self._static is not None:
-            graphs = (-1,)  # one schedule: every rank's the same
-        cached = self._schedules.get(graphs)
-        if cached is not None:
-            for b in cached[0]:
-                b.reset()
-            return cached
-        for buckets, params, rows in self._layouts(graphs):
-            order = build_schedule(
-                buckets,
-                graphs,
-                params,
-                sparse=self.sparse,
-                compression=None if self.comm_hook is not None else self.compression,
-                compress_tail_only=self.compress_tail_only,
-                grad_as_view=self.grad_as_view,
-                fresh_grads=self.grads_in_graph_memory,
-                rows=rows,
-            )
-            if self.parts.in_order(order):
-                break
-        locate = {id(p): (b, i) for b in order for i, p in enumerate(b.params)}
-        self._schedules[graphs] = (order, locate)
-        log.debug("schedule for graphs %s: %s", graphs, [(b.index, len(b.params), b.nbytes) for b in order])
-        return order, locate
 
     def _splits(self) -> bool:
         """Whether parts and row buckets apply (not under a communication hook)."""
@@ -289,7 +220,7 @@ class BucketReducer(WriteBack):
 
     def _located(self, step: OpenStep) -> dict:
         if step.order is None:  # the step's first gradient: its buckets
-            step.order, self._locate = self._schedule(tuple(step.graphs))
+            step.order, self._locate = self.layout.schedule(tuple(step.graphs), self._form())
             self._last_hooked = None
             step.started = time.perf_counter()
             compat.queue_engine_callback(self._finish_step)
@@ -389,7 +320,7 @@ class BucketReducer(WriteBack):
         self._wait_and_write(step.order[step.written :])
         self.optimizers.end_step()
         if self.parts.settle(step.order, joining=step.joining):
-            self._schedules.clear()  # a dense table's parts leave the layout, or come back
+            self.layout.clear()  # a dense table's parts leave the layout, or come back
         self._last_order = step.order
         t1 = time.perf_counter()
         stats = StepStats(

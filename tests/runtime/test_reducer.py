@@ -39,7 +39,7 @@ def test_steady_state_makes_one_flag_tensor_and_keeps_grads(single_rank_group, g
         _step(model, reducer, x)
         ref(x).sum().backward()
     expected = dict(ref.named_parameters())
-    (bucket,) = reducer._schedules[(0,)][0]
+    (bucket,) = reducer.layout.schedules[(0,)][0]
     assert [p for p, _ in bucket._flag_cache] == [(True, True, True, True)], "one pattern, made once"
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[n].grad)  # a world of one: the average is the sum
@@ -58,7 +58,7 @@ def test_parameter_without_gradient_keeps_its_grad(single_rank_group) -> None:
     model[1].weight.grad = kept.clone()
     _step(model, reducer, torch.randn(3, 4), use_b=False)
     assert torch.equal(model[1].weight.grad, kept), "no rank produced one: .grad stays as it was"
-    (bucket,) = reducer._schedules[(0,)][0]
+    (bucket,) = reducer.layout.schedules[(0,)][0]
     assert {p for p, _ in bucket._flag_cache} == {(False, False, True, True)}
     reducer.close()
 
@@ -104,12 +104,12 @@ def test_schedule_launches_graphs_in_reverse_first_use_wins_then_the_rest(single
     r = BucketReducer(dict(model.named_parameters()), group=None, compression=None, grad_as_view=False)
     r.add_graph(0, [["a.weight", "a.bias"]])
     r.add_graph(1, [["b.weight"], ["b.bias", "a.weight"]])  # a.weight: graph 0 used it first
-    order, _ = r._schedule((0, 1))
+    order, _ = r.layout.schedule((0, 1), r._form())
     assert _names(order) == [["b.weight"], ["b.bias"], ["a.weight", "a.bias"], ["c.bias", "c.weight"]]
     assert [b.index for b in order] == [0, 1, 2, 3]
-    again, _ = r._schedule((0, 1))
+    again, _ = r.layout.schedule((0, 1), r._form())
     assert again is order  # one schedule per set of graphs, reused
-    other, _ = r._schedule((1, 0))  # graph 1 ran first: it owns a.weight now
+    other, _ = r.layout.schedule((1, 0), r._form())  # graph 1 ran first: it owns a.weight now
     assert _names(other) == [["a.bias"], ["b.weight"], ["b.bias", "a.weight"], ["c.bias", "c.weight"]]
 
 
@@ -123,14 +123,14 @@ def test_tail_only_compression_compresses_the_last_graph_bucket_and_the_rest(sin
         compress_tail_only=True,
     )
     r.add_graph(0, [["b.weight", "b.bias"], ["a.weight", "a.bias"]])
-    order, _ = r._schedule((0,))
+    order, _ = r.layout.schedule((0,), r._form())
     # b: final early, full precision; a (first forward segment) and the trailing c: bf16.
     assert [b.wire.dtype for b in order] == [torch.float32, torch.bfloat16, torch.bfloat16]
     everywhere = BucketReducer(
         dict(model.named_parameters()), group=None, compression="bf16", grad_as_view=False
     )
     everywhere.add_graph(0, [["b.weight", "b.bias"], ["a.weight", "a.bias"]])
-    assert {b.wire.dtype for b in everywhere._schedule((0,))[0]} == {torch.bfloat16}
+    assert {b.wire.dtype for b in everywhere.layout.schedule((0,), everywhere._form())[0]} == {torch.bfloat16}
 
 
 def test_used_flags_and_the_observer_see_every_bucket(single_rank_group) -> None:
@@ -143,7 +143,7 @@ def test_used_flags_and_the_observer_see_every_bucket(single_rank_group) -> None
     _step(model, r, torch.randn(3, 4))
     assert seen.launched == [(0, 2), (1, 2)] and seen.ended == [0]
     assert r.last_step.comm_ms == 1.5  # the observer's derived figures land in StepStats
-    order, _ = r._schedule((0,))
+    order, _ = r.layout.schedule((0,), r._form())
     assert [b.wire[b.numel :].tolist() for b in order] == [[1.0, 1.0], [1.0, 1.0]]
     _step(model, r, torch.randn(3, 4), use_b=False)  # layer 1 unused: its flags are 0
     assert [b.wire[b.numel :].tolist() for b in order] == [[0.0, 0.0], [1.0, 1.0]]

@@ -1,0 +1,161 @@
+"""Which buckets a step's gradients travel in: the layout, frozen or not, and its cache.
+
+The reducer (Note [Bucketed all-reduce]) asks for the schedule of the graphs a step ran;
+this module decides it: the graphs' planned buckets, with shared parameters' parts and
+row buckets where they apply (Note [Shared weights reduced by use]), or, once the layout
+is frozen (Note [Graphs that differ by data]), one layout the ranks agreed on or DDP's.
+Schedules are cached per set of graphs; anything that changes how buckets are built (a
+new communication hook, a table's parts leaving or coming back) clears the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..planning.plan import Plan
+from ..planning.split import SplitPlan
+from .parts import SharedParts
+from .schedule import Bucket, build_schedule, claimed_by, layout_groups, static_groups
+
+__all__ = ["BucketForm", "Layouts"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class BucketForm:
+    """How buckets are built, set by the reducer's options and its communication hook.
+
+    Attributes:
+        compression: ``None``, ``"fp16"`` or ``"bf16"`` (``None`` under a hook: it decides).
+        compress_tail_only: Compress only the first segment's bucket.
+        grad_as_view: ``gradient_as_bucket_view``.
+        fresh_grads: Gradients live in CUDA-graph memory (Note [Gradients in CUDA-graph memory]).
+        splits: Shared parameters' parts and row buckets apply (not under a hook).
+    """
+
+    compression: str | None
+    compress_tail_only: bool
+    grad_as_view: bool
+    fresh_grads: bool
+    splits: bool
+
+
+class Layouts:
+    """The graphs' planned buckets, the frozen layout, and the schedules built from them.
+
+    Example:
+        >>> # layouts = Layouts(params, sparse=set(), bucket_caps=(25 << 20, 1 << 20), agree=lambda g: g)
+        >>> # order, locate = layouts.schedule((0,), form)
+    """
+
+    def __init__(
+        self,
+        params: Mapping[str, torch.nn.Parameter],
+        *,
+        sparse: set[int],
+        bucket_caps: tuple[int, int],
+        agree: Callable[[list[list[str]]], list[list[str]] | None],
+        freeze: bool = False,
+    ) -> None:
+        self.params = dict(params)
+        self.sparse = set(sparse)
+        self.bucket_caps = bucket_caps
+        self.agree = agree
+        self.parts = SharedParts(self.params)  # Note [Shared weights reduced by use]
+        self._graph_buckets: dict[int, list[list[str]]] = {}
+        self._static: list[list[str]] | None = None  # the frozen layout
+        self._static_rows: set[int] = set()  # its row-reduced parameters
+        self._freeze = freeze
+        # graphs that ran -> (buckets in launch order, id(param) -> (bucket, slot))
+        self.schedules: dict[tuple[int, ...], tuple[list[Bucket], dict]] = {}
+
+    def add_graph(
+        self, graph_id: int, buckets: Sequence[Sequence[str]], split: SplitPlan | None, plan: Plan | None
+    ) -> None:
+        """Register a graph's planned buckets (parameter names, gradient order), and its parts."""
+        self._graph_buckets[graph_id] = [list(b) for b in buckets]
+        if split is not None and plan is not None:
+            self.parts.add_graph(graph_id, split, plan)
+
+    def claimed_by(self, graphs: Sequence[int]) -> set[str]:
+        """Parameters bucketed by ``graphs``."""
+        return claimed_by(self._graph_buckets, graphs)
+
+    def freeze(self) -> None:
+        """From the next schedule on, one layout whatever graphs ran (idempotent)."""
+        if self._static is None:
+            self._freeze = True
+
+    def clear(self) -> None:
+        """Forget the cached schedules (buckets are rebuilt at the next step)."""
+        self.schedules.clear()
+
+    def schedule(self, graphs: tuple[int, ...], form: BucketForm) -> tuple[list[Bucket], dict]:
+        """The buckets of a step that ran ``graphs``, in launch order, and where each parameter is."""
+        if self._freeze:
+            self._freeze = False
+            self._static = self._frozen_groups(graphs)
+            self.schedules.clear()
+        if self._static is not None:
+            graphs = (-1,)  # one schedule: every rank's the same
+        cached = self.schedules.get(graphs)
+        if cached is not None:
+            for b in cached[0]:
+                b.reset()
+            return cached
+        for buckets, params, rows in self._layouts(graphs, form.splits):
+            order = build_schedule(
+                buckets,
+                graphs,
+                params,
+                sparse=self.sparse,
+                compression=form.compression,
+                compress_tail_only=form.compress_tail_only,
+                grad_as_view=form.grad_as_view,
+                fresh_grads=form.fresh_grads,
+                rows=rows,
+            )
+            if self.parts.in_order(order):
+                break
+        locate = {id(p): (b, i) for b in order for i, p in enumerate(b.params)}
+        self.schedules[graphs] = (order, locate)
+        log.debug("schedule for graphs %s: %s", graphs, [(b.index, len(b.params), b.nbytes) for b in order])
+        return order, locate
+
+    def _frozen_groups(self, graphs: tuple[int, ...]) -> list[list[str]]:
+        # The ranks compare the layout their graphs give: the same everywhere, it is kept
+        # (graph-aligned, as planned); not, they take DDP's (reverse parameter order, cut at
+        # the bucket caps).
+        buckets, params, rows = self.parts.layout(self._graph_buckets, graphs) or (
+            self._graph_buckets,
+            self.params,
+            set(),
+        )
+        agreed = self.agree(layout_groups(buckets, graphs, list(params)))
+        self._static_rows = rows if agreed is not None else set()
+        if agreed is not None:
+            return agreed
+        cap, first_cap = self.bucket_caps
+        log.info(
+            "the ranks' graphs gave different bucket layouts: gradients travel in DDP's (reverse parameter order)"
+        )
+        return static_groups(self.params, cap=cap, first_cap=first_cap)
+
+    def _layouts(self, graphs: tuple[int, ...], splits: bool) -> list[tuple[Mapping, Mapping, set[int]]]:
+        """Bucket layouts to try, best first: with parts and row buckets (Note [Shared weights
+        reduced by use]; not under a communication hook), then without."""
+        if self._static is not None:
+            layouts = self.parts.static_layouts(self._static, self._static_rows)
+        else:
+            layouts = [
+                self.parts.layout(self._graph_buckets, graphs),
+                (self._graph_buckets, self.params, set()),
+            ]
+        if not splits and any(x is not None for x in layouts[:-1]):
+            log.debug("a communication hook reduces the buckets: shared parameters go whole, as under DDP")
+        return [x for x in layouts[:-1] if x is not None and splits] + layouts[-1:]
