@@ -619,3 +619,15 @@ def retain_graph_after_warm_cache(rank: int, world: int, folder: str, donated: b
         out[key] = [p.grad.detach().clone() for p in model.parameters()]
     out["cache_hits"] = sum(g.cache_hits for g in ours.graphs)
     return out
+
+
+def compute_rate_together_and_alone(rank: int, world: int) -> dict:
+    """The rate ``bucket_cap_mb='auto'`` measures with every rank computing, then rank 0's alone."""
+    from distcompile.runtime.measure import _time_matmul, measure_costs
+
+    together = measure_costs(group=None, device=torch.device("cpu")).flops_per_s
+    alone_group = dist.new_group([0])  # every rank takes part in creating it
+    dist.barrier()
+    alone = _time_matmul(torch.device("cpu"), alone_group) if rank == 0 else None
+    dist.barrier()  # the others wait, blocked, while rank 0 measures
+    return {"together": together, "alone": alone}
