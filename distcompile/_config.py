@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import numbers
 import os
 from dataclasses import dataclass
@@ -226,8 +227,41 @@ class Config:
         fields = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(changes) - fields)
         if unknown:
-            raise ConfigError(f"unknown option(s) {unknown}; valid options are {sorted(fields)}.")
+            hints = "; ".join(_hint(name, fields) for name in unknown)
+            raise ConfigError(f"unknown option(s) {unknown}: {hints}. Valid options are {sorted(fields)}.")
         return dataclasses.replace(self, **changes)
+
+
+#: Options people pass to ``wrap`` that belong to another object, and where they go.
+_ELSEWHERE = {
+    **dict.fromkeys(
+        (
+            "find_unused_parameters",
+            "static_graph",
+            "device_ids",
+            "output_device",
+            "process_group",
+            "init_sync",
+            "delay_all_reduce_named_params",
+            "mixed_precision",
+            "skip_all_reduce_unused_params",
+        ),
+        "DistributedDataParallel's option: pass it to DDP(model, {name}=...) and wrap that model, "
+        "whose options distcompile takes over",
+    ),
+    "options": "torch.compile's Inductor options: set them with torch._inductor.config.patch(...) around "
+    "the first step, or in torch._inductor.config",
+    "disable": "torch.compile's switch: to run without compiling, train the DDP model without wrap() "
+    "(or backend='eager' to keep distcompile's buckets)",
+}
+
+
+def _hint(name: str, fields: set[str]) -> str:
+    """Where an unknown option ``name`` belongs, or the option it most looks like."""
+    if name in _ELSEWHERE:
+        return f"{name!r} is {_ELSEWHERE[name].format(name=name)}"
+    close = difflib.get_close_matches(name, sorted(fields), n=1, cutoff=0.6)
+    return f"{name!r}: did you mean {close[0]!r}?" if close else f"{name!r} is not an option of distcompile"
 
 
 #: Annotation name -> (accepted types, how the error message says it).

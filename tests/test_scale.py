@@ -61,18 +61,27 @@ def test_compiles_shared_across_4_folders_compile_each_piece_once() -> None:
 
 def test_two_folders_of_two_fetch_once_per_folder() -> None:
     """Note [Compiles shared by folder]: 4 ranks, 2 cache folders; each piece compiled once in the
-    job, and only each folder's leader (ranks 0 and 2) takes pieces from the store."""
+    job; only each folder's leader (ranks 0 and 2) takes pieces from another folder, by the
+    leaders' tree (Note [Compiles between folders by tree]), not through the store."""
     with tempfile.TemporaryDirectory() as root:
         folders = [f"{root}/{k // 2}" for k in range(4)]
         results = run_ranks(workers.shared_compile, 4, folders, "gpt", "plain", timeout=1500)
     _check(results, TOL["inductor"])
     lines = [next(x for x in r["log"] if x.startswith("graph 0 compiled in")) for r in results]
     through = [
-        float(m.group(1)) if (m := re.search(r"\(([\d.]+) MB through the store\)", x)) else 0.0 for x in lines
+        float(m.group(1)) if (m := re.search(r"\(([\d.]+) MB through the leaders' tree\)", x)) else 0.0
+        for x in lines
     ]
     assert through[0] > 0 and through[2] > 0 and through[1] == 0 and through[3] == 0, lines
+    store_kb = [_kb(re.search(r"control plane: \d+ store ops, ([\d.]+ [kM]?B) on this rank", x)) for x in lines]
+    assert max(store_kb) < 100 < through[0] * 1000, (store_kb, lines)  # the pieces' bytes skipped the store
     compiled = [int(m.group(1)) if (m := re.search(r"pieces: (\d+) compiled here", x)) else 0 for x in lines]
     assert sum(compiled) == results[0]["pieces"][0] - results[0]["pieces_reused"][0], lines
+
+
+def _kb(found: re.Match | None) -> float:
+    number, unit = found.group(1).split() if found else ("inf", "kB")
+    return float(number) * {"B": 1e-3, "kB": 1.0, "MB": 1e3}[unit]
 
 
 def test_join_with_ranks_out_of_data_at_different_steps_at_4_ranks() -> None:

@@ -631,3 +631,20 @@ def compute_rate_together_and_alone(rank: int, world: int) -> dict:
     alone = _time_matmul(torch.device("cpu"), alone_group) if rank == 0 else None
     dist.barrier()  # the others wait, blocked, while rank 0 measures
     return {"together": together, "alone": alone}
+
+
+def tree_broadcasts(rank: int, world: int) -> dict:
+    """The leaders' tree: a gloo group of ranks 0, 2 and 4 made by them alone (1 and 3 never
+    call it), and a broadcast from each of them (Note [Compiles between folders by tree])."""
+    from distcompile.compile.tree import leaders_group, tree_broadcast
+
+    leaders = [0, 2, 4]
+    if rank not in leaders:
+        return {}
+    group = leaders_group(leaders, timeout_s=60)
+    got, sent = {}, {}
+    for root in leaders:
+        data = bytes([root]) * (1000 + root) if rank == root else None
+        got[root], sent[root] = tree_broadcast(data, root=root, ranks=leaders, group=group)
+    empty, _ = tree_broadcast(b"" if rank == 2 else None, root=2, ranks=leaders, group=group)
+    return {"got": got, "sent": sent, "empty": empty}

@@ -14,6 +14,7 @@ only through the small interfaces it is given (``backend.BucketRegistry``,
 - ``share_plan.py``: who compiles each piece, who publishes, whom each rank loads from (pure).
 - ``peers.py``: which ranks share a folder, which are warm; the heartbeat.
 - ``transfer.py``: compiled pieces packed, published and installed through the store.
+- ``tree.py``: compiled pieces between folders' leaders down a binomial tree (a gloo group).
 - ``cpu_checks.py``: Inductor's one-time CPU checks, split between ranks.
 - ``wrappers.py``: what runs around a compiled graph (the reducer told, backwards refused with
   the fix, the graph as captured for the forward check).

@@ -6,15 +6,26 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 
 import torch.distributed as dist
 
 from .. import _torch_compat as compat
-from .._store import StoreTimeout, barrier, counted, gather_small
+from .._store import CountedStore, StoreTimeout, barrier, counted, gather_small
 
-__all__ = ["Heartbeat", "assign", "cache_peers", "folder_of", "touch", "warm_marker", "warm_ranks"]
+__all__ = [
+    "PEER_WAIT_S",
+    "Heartbeat",
+    "assign",
+    "cache_peers",
+    "folder_of",
+    "touch",
+    "wait_for_peer",
+    "warm_marker",
+    "warm_ranks",
+]
 
 log = logging.getLogger(__name__)
 
@@ -184,3 +195,68 @@ class Heartbeat:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+#: Seconds a rank waits at least for a peer's share of the compiles.
+PEER_WAIT_S = 600.0
+#: How often a rank looks whether a peer's share of the compiles is there: every POLL_S at
+#: first, then twice as long each time up to POLL_MAX_S (store operations grow with the
+#: wait, not with the number of ranks: Note [The control plane]).
+POLL_S, POLL_MAX_S = 0.01, 0.5
+
+
+def wait_for_peer(
+    store: CountedStore, key: str, *, prefix: str, graph: str, rank: int, peer: int, timeout_s: float
+) -> bool:
+    """Wait for ``peer`` to set ``key`` (its share of compile ``graph``): True once set, False
+    when it left the compile or gave no sign of life (then this rank compiles that share).
+
+    Example:
+        >>> # if wait_for_peer(store, done_key, prefix=p, graph="call1", rank=0, peer=1, timeout_s=60): ...
+    """
+    # As long as Inductor waits for another process's compile of a kernel (its file
+    # locks' 10 minutes), or desync_timeout_s if longer: compiling the piece here
+    # instead would take about as long. Never forever: a dead peer's piece is then
+    # compiled here (and torchrun stops a job whose process died); one that left this
+    # compile (abandon) is not waited for.
+    # A peer that stops beating (Heartbeat: killed, or its process hung) is waited for
+    # desync_timeout_s at most.
+    left = f"{prefix}/{graph}/abandoned/{peer}"
+    waited, limit, said = 0.0, max(timeout_s, PEER_WAIT_S), 0.0
+    beat = f"{prefix}/beat/{peer}"
+    beats, alive_at, why = store.add(beat, 0), 0.0, "as long as a compile lock is waited for"
+    start, next_look, poll = time.monotonic(), 0.0, POLL_S
+    while waited < limit:
+        # Polled with check, not waited for in slices: a store wait that times out makes
+        # c10d print a warning line each time (issue 45: a dozen lines in the demo).
+        if store.check([key]):
+            return True
+        time.sleep(poll)
+        poll = min(2 * poll, POLL_MAX_S)
+        waited = time.monotonic() - start
+        if waited < next_look:
+            continue
+        next_look = waited + min(1.0, timeout_s)  # then a look for the peer's abandon
+        if store.check([left]):
+            return False
+        if waited - said >= timeout_s:
+            said = waited
+            log.info(
+                "rank %d: waiting %.0f s so far for rank %d's share of the compiles",
+                rank,
+                waited,
+                peer,
+            )
+        now = store.add(beat, 0)
+        beats, alive_at = now, (waited if now != beats else alive_at)
+        if waited - alive_at >= timeout_s:
+            why = f"no sign of life from it for {waited - alive_at:.0f} s: killed or hung"
+            break
+    log.warning(
+        "rank %d: rank %d did not finish its share of the compiles within %.0f s (%s); compiling that piece here",
+        rank,
+        peer,
+        waited,
+        why,
+    )
+    return False

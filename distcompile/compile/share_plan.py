@@ -25,7 +25,9 @@ Algorithm (this module decides; ``sharing.py`` carries it out):
 
 Cost through the store: each folder's share written once and read by F - 1 leaders (F
 folders): F x the graph's compiled bytes in all, at most (F - 1) x one folder's share
-served to any one reader, and nothing left in the store after the last reader.
+served to any one reader, and nothing left in the store after the last reader. Since the
+leaders' tree (Note [Compiles between folders by tree]) the publications go through the
+store only after that tree failed once in the job; the plan is the same either way.
 """
 
 from __future__ import annotations

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,9 +49,9 @@ from torch import fx
 
 from .. import _torch_compat as compat
 from .._store import CountedStore, counted
-from . import transfer
+from . import transfer, tree
 from .cpu_checks import run_cpu_checks, runs_on_cpu
-from .peers import Heartbeat, cache_peers, folder_of, touch, warm_marker, warm_ranks
+from .peers import Heartbeat, cache_peers, folder_of, touch, wait_for_peer, warm_marker, warm_ranks
 from .share_plan import SharePlan, plan_sharing
 
 __all__ = [
@@ -66,13 +65,6 @@ log = logging.getLogger(__name__)
 
 #: Where a rank's pieces come from when the ranks share the compiles.
 SOURCES = ("compiled here", "cache", "same-folder peer", "other-folder peer")
-
-#: Seconds a rank waits at least for a peer's share of the compiles.
-PEER_WAIT_S = 600.0
-#: How often a rank looks whether a peer's share of the compiles is there: every POLL_S at
-#: first, then twice as long each time up to POLL_MAX_S (store operations grow with the
-#: wait, not with the number of ranks: Note [The control plane]).
-POLL_S, POLL_MAX_S = 0.01, 0.5
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -150,7 +142,11 @@ class CompileSharing:
         self.folders: dict[int, int] = {}  # rank -> its folder's first rank
         self.sources: Counter[str] = Counter()  # where the last compile_all's pieces came from
         self.received_bytes = 0
+        self.sent_bytes = 0  # through the leaders' tree (Note [Compiles between folders by tree])
+        self.route = "the store"  # how the last compile's pieces came from other folders
         self._taken: set[str] = set()  # "installed" keys this rank already fetched or waited for
+        self._group: object | None = None  # the leaders' gloo group, made at first use
+        self._blob: bytes = b""  # this leader's sealed share, for the tree
 
     def find_peers(self) -> tuple[int, ...]:
         """The peers, found on first use (collective over ``ranks``), and every rank's folder."""
@@ -188,51 +184,10 @@ class CompileSharing:
         except Exception:  # noqa: BLE001 - the original exception matters more
             log.debug("rank %d: could not mark compile %s abandoned", self.rank, graph)
 
-    def _wait_for(self, store: CountedStore, key: str, peer: int, graph: str) -> None:
-        # As long as Inductor waits for another process's compile of a kernel (its file
-        # locks' 10 minutes), or desync_timeout_s if longer: compiling the piece here
-        # instead would take about as long. Never forever: a dead peer's piece is then
-        # compiled here (and torchrun stops a job whose process died); one that left this
-        # compile (abandon) is not waited for.
-        # A peer that stops beating (Heartbeat: killed, or its process hung) is waited for
-        # desync_timeout_s at most.
-        left = f"{self.prefix}/{graph}/abandoned/{peer}"
-        waited, limit, said = 0.0, max(self.timeout_s, PEER_WAIT_S), 0.0
-        beat = f"{self.prefix}/beat/{peer}"
-        beats, alive_at, why = store.add(beat, 0), 0.0, "as long as a compile lock is waited for"
-        start, next_look, poll = time.monotonic(), 0.0, POLL_S
-        while waited < limit:
-            # Polled with check, not waited for in slices: a store wait that times out makes
-            # c10d print a warning line each time (issue 45: a dozen lines in the demo).
-            if store.check([key]):
-                return
-            time.sleep(poll)
-            poll = min(2 * poll, POLL_MAX_S)
-            waited = time.monotonic() - start
-            if waited < next_look:
-                continue
-            next_look = waited + min(1.0, self.timeout_s)  # then a look for the peer's abandon
-            if store.check([left]):
-                return
-            if waited - said >= self.timeout_s:
-                said = waited
-                log.info(
-                    "rank %d: waiting %.0f s so far for rank %d's share of the compiles",
-                    self.rank,
-                    waited,
-                    peer,
-                )
-            now = store.add(beat, 0)
-            beats, alive_at = now, (waited if now != beats else alive_at)
-            if waited - alive_at >= self.timeout_s:
-                why = f"no sign of life from it for {waited - alive_at:.0f} s: killed or hung"
-                break
-        log.warning(
-            "rank %d: rank %d did not finish its share of the compiles within %.0f s (%s); compiling that piece here",
-            self.rank,
-            peer,
-            waited,
-            why,
+    def _wait_for(self, store: CountedStore, key: str, peer: int, graph: str) -> bool:
+        """Wait for ``peer``'s ``key`` (its share of a compile): True once it is there."""
+        return wait_for_peer(
+            store, key, prefix=self.prefix, graph=graph, rank=self.rank, peer=peer, timeout_s=self.timeout_s
         )
 
     def compile_all(
@@ -289,9 +244,11 @@ class CompileSharing:
         done = [f"{self.prefix}/{graph}/{len(jobs)}/{j}" for j in range(len(jobs))]
         installed = f"{self.prefix}/{graph}/installed/{plan.leader}"
         out: list = [None] * len(jobs)
+        by_tree = self._by_tree(store, plan, folders)
+        self.route = "the leaders' tree" if by_tree else "the store"
         if runs_on_cpu(a for job in jobs for a in job.args):
             if warm and self.rank not in warm:  # a cold folder: the warm folder's CPU-check libraries first
-                self._take_other_folders(store, plan, graph, installed)
+                self._take_other_folders(store, plan, graph, installed, by_tree)
             # Inductor's one-time CPU checks come before its first C++ kernel: split them too.
             run_cpu_checks(len(sharers), sharers.index(self.rank))
         with compat.eager_backward():
@@ -304,15 +261,27 @@ class CompileSharing:
                 self._wait_for(store, done[j], plan.owner[j], graph)
                 out[j] = self._compile_from(compile_one, jobs[j], "same-folder peer")
             if plan.publishes:
-                self._publish(store, f"{self.prefix}/{graph}/art/{self.rank}")
-            if plan.from_other:
-                self._take_other_folders(store, plan, graph, installed)
+                self._publish(store, f"{self.prefix}/{graph}/art/{self.rank}", by_tree)
+            if plan.from_other or (by_tree and plan.is_leader):  # every leader is in the tree
+                self._take_other_folders(store, plan, graph, installed, by_tree)
             for j in plan.from_other:
                 out[j] = self._compile_from(compile_one, jobs[j], "other-folder peer")
         log.debug("rank %d: pieces of %s: %s; plan %s", self.rank, graph, dict(self.sources), plan)
         return out
 
-    def _take_other_folders(self, store: CountedStore, plan: SharePlan, graph: str, installed: str) -> None:
+    def _by_tree(self, store: CountedStore, plan: SharePlan, folders: dict[int, int]) -> bool:
+        """Whether the folders' shares travel by the leaders' tree (Note [Compiles between folders
+        by tree]) rather than through the store: several leaders, something to publish, and no
+        failure in the tree earlier in the job."""
+        return len(set(folders.values())) > 1 and bool(plan.publishers) and not store.check([self._broken])
+
+    @property
+    def _broken(self) -> str:
+        return f"{self.prefix}/tree/broken"
+
+    def _take_other_folders(
+        self, store: CountedStore, plan: SharePlan, graph: str, installed: str, by_tree: bool
+    ) -> None:
         """The leader fetches the other folders' publications once and marks its folder installed
         (the last fetcher deletes them); the others wait for that mark. Once per graph."""
         if installed in self._taken:
@@ -320,6 +289,12 @@ class CompileSharing:
         self._taken.add(installed)
         if not plan.is_leader:
             self._wait_for(store, installed, plan.leader, graph)
+            return
+        if by_tree:
+            try:
+                self._exchange_by_tree(store, plan, graph)
+            finally:
+                store.set(installed, "1")  # loaded or not: the folder's ranks compile what is missing
             return
         try:
             for lead in plan.fetches:
@@ -352,7 +327,7 @@ class CompileSharing:
         parts += [f"{n} from the cache" for n in [self.sources["cache"]] if n]
         parts += [f"{n} from same-folder peers" for n in [self.sources["same-folder peer"]] if n]
         parts += [
-            f"{n} from other-folder peers ({self.received_bytes / 1e6:.1f} MB through the store)"
+            f"{n} from other-folder peers ({self.received_bytes / 1e6:.1f} MB through {self.route})"
             for n in [self.sources["other-folder peer"]]
             if n
         ]
@@ -364,12 +339,59 @@ class CompileSharing:
         self.sources["cache" if compat.compile_cache_hits() > hits else "compiled here"] += 1
         return out
 
-    def _publish(self, store: CountedStore, key: str) -> None:
+    def _exchange_by_tree(self, store: CountedStore, plan: SharePlan, graph: str) -> None:
+        """Every leader: once each publisher is ready, its sealed share down a binomial tree;
+        the leaders that need other folders' pieces install what arrives."""
+        leaders = sorted(set(self.folders.values()))
+        for lead in plan.publishers:
+            if lead != self.rank and not self._wait_for(
+                store, f"{self.prefix}/{graph}/art/{lead}/ready", lead, graph
+            ):
+                return  # the others' tree times out on this leader too, and they compile what is missing
+        try:
+            if self._group is None:
+                self._group = tree.leaders_group(leaders, self.timeout_s)
+            for lead in plan.publishers:
+                data, sent = tree.tree_broadcast(
+                    self._blob if lead == self.rank else None, root=lead, ranks=leaders, group=self._group
+                )
+                self.sent_bytes += sent
+                if lead != self.rank and plan.fetches and data:
+                    self._install(*transfer.unseal(data, compat.build_fingerprint()), lead)
+        except Exception as exc:  # noqa: BLE001 - compiled here instead, which is never wrong
+            store.set(self._broken, "1")  # the rest of the job goes through the store
+            log.warning(
+                "rank %d: the leaders' tree failed (%s: %s); compiling what is missing here, later graphs "
+                "go through the store",
+                self.rank,
+                type(exc).__name__,
+                exc,
+            )
+        finally:
+            self._blob = b""
+
+    def _install(self, payload: bytes | None, why: object, peer: int) -> bool:
+        """Install ``peer``'s pieces, or say why not (this rank then compiles them)."""
+        try:
+            if payload is not None:
+                transfer.install(payload)
+                self.received_bytes += len(payload)
+                return True
+        except Exception as exc:  # noqa: BLE001 - compiled here instead, which is never wrong
+            why = f"{type(exc).__name__}: {exc}"
+        log.warning(
+            "rank %d: not loading rank %d's compiled pieces: %s; compiling them here", self.rank, peer, why
+        )
+        return False
+
+    def _publish(self, store: CountedStore, key: str, by_tree: bool = False) -> None:
         # Whatever happens, "ready" is set: the other folders stop waiting and compile
         # themselves if nothing usable was published.
         try:
             payload = transfer.collect()
-            if payload:
+            if payload and by_tree:  # sent down the tree by _exchange_by_tree
+                self._blob = transfer.seal(payload, compat.build_fingerprint())
+            elif payload:
                 transfer.publish(store, key, payload, compat.build_fingerprint())
             compat.forget_artifacts()  # the next publication carries only what is new
         except Exception as exc:  # noqa: BLE001 - the others compile what they cannot load
@@ -383,16 +405,8 @@ class CompileSharing:
         """Load ``peer``'s published pieces of ``graph`` (another folder) into the caches here."""
         key = f"{self.prefix}/{graph}/art/{peer}"
         self._wait_for(store, f"{key}/ready", peer, graph)
-        why = ""
         try:
             payload, why = transfer.fetch(store, key, compat.build_fingerprint())
-            if payload is not None:
-                transfer.install(payload)
-                self.received_bytes += len(payload)
-                return True
         except Exception as exc:  # noqa: BLE001 - compiled here instead, which is never wrong
-            why = f"{type(exc).__name__}: {exc}"
-        log.warning(
-            "rank %d: not loading rank %d's compiled pieces: %s; compiling them here", self.rank, peer, why
-        )
-        return False
+            payload, why = None, f"{type(exc).__name__}: {exc}"
+        return self._install(payload, why, peer)

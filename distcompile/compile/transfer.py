@@ -43,12 +43,15 @@ import logging
 import os
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
 
 from .. import _torch_compat as compat
 from .._store import CountedStore
 
 __all__ = [
     "CHUNK_BYTES",
+    "Unusable",
     "collect",
     "delete",
     "fetch",
@@ -65,6 +68,28 @@ log = logging.getLogger(__name__)
 #: Largest value put in the store at once.
 CHUNK_BYTES = 4 * 1024 * 1024
 _FORMAT = "distcompile-artifacts/1"
+
+
+@dataclass(frozen=True, slots=True)
+class Unusable:
+    """Why published or saved pieces cannot be used here; ``str()`` is the sentence for the log.
+
+    Attributes:
+        reason: ``"missing"`` (nothing published), ``"setup"`` (built with another torch,
+            compiler or CPU: the fingerprint differs), ``"damaged"`` (the bytes do not match
+            their hash) or ``"format"`` (not a distcompile file).
+        detail: What was found.
+
+    Example:
+        >>> str(Unusable("missing", "nothing was published"))
+        'nothing was published'
+    """
+
+    reason: Literal["missing", "setup", "damaged", "format"]
+    detail: str
+
+    def __str__(self) -> str:
+        return self.detail
 
 
 def pack(entries: bytes, libs: Mapping[str, bytes]) -> bytes:
@@ -137,16 +162,22 @@ def publish(store: CountedStore, key: str, payload: bytes, fingerprint: Mapping[
     store.set(f"{key}/meta", _meta(payload, fingerprint, len(chunks)))
 
 
-def _describe(meta: Mapping, payload: bytes, fingerprint: Mapping[str, str]) -> str:
-    """Why ``payload`` with its metadata ``meta`` cannot be used here ("" when it can)."""
+def _other_setup(meta: Mapping, fingerprint: Mapping[str, str]) -> Unusable | None:
     theirs = meta.get("fingerprint", {})
     differ = sorted(k for k in {**theirs, **fingerprint} if theirs.get(k) != fingerprint.get(k))
     if differ:
         what = ", ".join(f"{k} {theirs.get(k)!r} there, {fingerprint.get(k)!r} here" for k in differ)
-        return f"built with another setup ({what})"
+        return Unusable("setup", f"built with another setup ({what})")
+    return None
+
+
+def _unusable(meta: Mapping, payload: bytes, fingerprint: Mapping[str, str]) -> Unusable | None:
+    """Why ``payload`` with its metadata ``meta`` cannot be used here (``None`` when it can)."""
+    if (other := _other_setup(meta, fingerprint)) is not None:
+        return other
     if hashlib.sha256(payload).hexdigest() != meta.get("sha256"):
-        return f"its {len(payload)} bytes do not match the hash published with them"
-    return ""
+        return Unusable("damaged", f"its {len(payload)} bytes do not match the hash published with them")
+    return None
 
 
 def _meta(payload: bytes, fingerprint: Mapping[str, str], chunks: int) -> str:
@@ -165,25 +196,25 @@ def seal(payload: bytes, fingerprint: Mapping[str, str]) -> bytes:
 
     Example:
         >>> unseal(seal(b"abc", {"torch": "2.13"}), {"torch": "2.13"})
-        (b'abc', '')
+        (b'abc', None)
     """
     return _meta(payload, fingerprint, 1).encode() + b"\n" + payload
 
 
-def unseal(blob: bytes, fingerprint: Mapping[str, str]) -> tuple[bytes | None, str]:
-    """The payload :func:`seal` wrote, or ``None`` and why it cannot be used here.
+def unseal(blob: bytes, fingerprint: Mapping[str, str]) -> tuple[bytes | None, Unusable | None]:
+    """The payload :func:`seal` wrote and ``None``, or ``None`` and why it cannot be used here.
 
     Example:
         >>> unseal(seal(b"abc", {"torch": "2.13"}), {"torch": "2.15"})[1]
-        "built with another setup (torch '2.13' there, '2.15' here)"
+        Unusable(reason='setup', detail="built with another setup (torch '2.13' there, '2.15' here)")
     """
     head, _, payload = blob.partition(b"\n")
     try:
         meta = json.loads(head)
     except ValueError:
-        return None, "not a distcompile compile-artifacts file"
-    why = _describe(meta, payload, fingerprint)
-    return (None, why) if why else (payload, "")
+        return None, Unusable("format", "not a distcompile compile-artifacts file")
+    why = _unusable(meta, payload, fingerprint)
+    return (None, why) if why else (payload, None)
 
 
 def delete(store: CountedStore, key: str) -> None:
@@ -202,20 +233,22 @@ def delete(store: CountedStore, key: str) -> None:
         log.debug("could not delete %s: %s", key, exc)
 
 
-def fetch(store: CountedStore, key: str, fingerprint: Mapping[str, str]) -> tuple[bytes | None, str]:
-    """The payload published under ``key``, or ``None`` and why it cannot be used here.
+def fetch(
+    store: CountedStore, key: str, fingerprint: Mapping[str, str]
+) -> tuple[bytes | None, Unusable | None]:
+    """The payload published under ``key`` and ``None``, or ``None`` and why it cannot be used here.
 
     Example:
         >>> # payload, why = fetch(store, "distcompile/wrap0/compiles/call1/art/0", compat.build_fingerprint())
     """
     if not store.check([f"{key}/meta"]):
-        return None, "nothing was published (its compile or its packing failed)"
+        return None, Unusable("missing", "nothing was published (its compile or its packing failed)")
     meta = json.loads(store.get(f"{key}/meta"))
-    if _describe(meta, b"", fingerprint).startswith("built with"):  # before fetching the bytes
-        return None, _describe(meta, b"", fingerprint)
+    if (other := _other_setup(meta, fingerprint)) is not None:  # before fetching the bytes
+        return None, other
     payload = b"".join(store.get(f"{key}/{i}") for i in range(meta["chunks"]))
-    why = _describe(meta, payload, fingerprint)
-    return (None, why) if why else (payload, "")
+    why = _unusable(meta, payload, fingerprint)
+    return (None, why) if why else (payload, None)
 
 
 def install(payload: bytes) -> int:

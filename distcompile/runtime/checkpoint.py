@@ -146,7 +146,8 @@ def _install_artifacts(checkpoint: str) -> None:
     if not os.path.exists(path):
         return
     with open(path, "rb") as f:
-        payload, why = transfer.unseal(f.read(), compat.build_fingerprint())
+        payload, unusable = transfer.unseal(f.read(), compat.build_fingerprint())
+    why: object = unusable
     try:
         if payload is not None:
             n = transfer.install(payload) if payload else 0

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 from torch import fx, nn
 
-from distcompile.compile import sharing as sharing_module
+import distcompile.compile.peers as peers_module
 from distcompile.compile.cpu_checks import cpu_check_order
 from distcompile.compile.peers import assign
 from distcompile.compile.sharing import CompileJob, CompileSharing
@@ -54,7 +54,7 @@ def test_a_rank_compiles_its_share_then_waits_for_its_peer_but_never_forever(cap
     store = dist.HashStore()
     sharing = CompileSharing(lambda: store, "t", rank=0, ranks=(0, 1), timeout_s=0.2)
     sharing.peers = (0, 1)  # as cache_peers would find them; rank 1 never shows up
-    monkeypatch.setattr(sharing_module, "PEER_WAIT_S", 0.5)  # not 10 minutes
+    monkeypatch.setattr(peers_module, "PEER_WAIT_S", 0.5)  # not 10 minutes
     order: list[int] = []
     with caplog.at_level(logging.INFO):
         out = sharing.compile_all(

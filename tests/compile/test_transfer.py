@@ -12,8 +12,8 @@ import pytest
 import torch.distributed as dist
 from torch import fx, nn
 
+import distcompile.compile.peers as peers_module
 from distcompile import _torch_compat as compat
-from distcompile.compile import sharing as sharing_module
 from distcompile.compile import transfer
 from distcompile.compile.sharing import CompileJob, CompileSharing
 from tests import artifact_workers, workers
@@ -41,15 +41,15 @@ def test_the_store_carries_a_payload_in_chunks_and_checks_hash_and_fingerprint(m
     payload = bytes(range(256)) * 3
     transfer.publish(store, "k", payload, _FP)
     assert json.loads(store.get("k/meta"))["chunks"] == 77
-    assert transfer.fetch(store, "k", _FP) == (payload, "")
+    assert transfer.fetch(store, "k", _FP) == (payload, None)
     got, why = transfer.fetch(store, "k", {**_FP, "cpu_isa": "avx512"})
-    assert got is None and "cpu_isa 'avx2' there, 'avx512' here" in why
+    assert got is None and why.reason == "setup" and "cpu_isa 'avx2' there, 'avx512' here" in str(why)
     store.set("k/3", b"0123456789")  # a chunk damaged in transit
     got, why = transfer.fetch(store, "k", _FP)
-    assert got is None and "do not match the hash" in why
+    assert got is None and why.reason == "damaged" and "do not match the hash" in str(why)
     assert transfer.fetch(store, "nothing", _FP) == (
         None,
-        "nothing was published (its compile or its packing failed)",
+        transfer.Unusable("missing", "nothing was published (its compile or its packing failed)"),
     )
 
 
@@ -103,7 +103,7 @@ def test_pieces_a_peer_published_badly_are_compiled_here(caplog) -> None:  # noq
 
 
 def test_a_peer_of_another_folder_that_never_publishes_is_not_waited_for_forever(caplog, monkeypatch) -> None:  # noqa: ANN001
-    monkeypatch.setattr(sharing_module, "PEER_WAIT_S", 0.5)
+    monkeypatch.setattr(peers_module, "PEER_WAIT_S", 0.5)
     jobs = _jobs()
     with caplog.at_level(logging.INFO):
         out = _sharing(dist.HashStore(), 0).compile_all(jobs, compile_one=lambda j: j.key, graph="g")
@@ -217,7 +217,7 @@ def test_a_peer_that_stops_beating_is_waited_for_desync_timeout_s_only(caplog, m
     """Killed or hung mid-compile: no heartbeat, so not the 10 minutes a live peer's compile gets."""
     import time
 
-    monkeypatch.setattr(sharing_module, "PEER_WAIT_S", 100.0)
+    monkeypatch.setattr(peers_module, "PEER_WAIT_S", 100.0)
     store = dist.HashStore()
     waiter = CompileSharing(lambda: store, "t", rank=0, ranks=(0, 1), timeout_s=0.5)
     t0 = time.monotonic()

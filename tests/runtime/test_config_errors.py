@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -66,6 +67,22 @@ def test_numbers_and_paths_of_other_types_are_accepted() -> None:
 def test_unknown_option(single_rank_group) -> None:
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['bucket_size'\]"):
         distcompile.wrap(nn.Linear(2, 2), bucket_size=3)
+
+
+@pytest.mark.parametrize(
+    ("options", "names"),
+    [
+        ({"bucket_cap": 4}, "did you mean 'bucket_cap_mb'?"),
+        ({"desync_timeout": 5}, "did you mean 'desync_timeout_s'?"),
+        ({"find_unused_parameters": True}, "pass it to DDP(model, find_unused_parameters=...)"),
+        ({"static_graph": True}, "pass it to DDP(model, static_graph=...)"),
+        ({"options": {"max_autotune": True}}, "torch._inductor.config.patch"),
+        ({"zzz": 1}, "'zzz' is not an option of distcompile"),
+    ],
+)
+def test_a_misplaced_or_misspelt_option_names_where_it_goes(single_rank_group, options, names) -> None:  # noqa: ANN001
+    with pytest.raises(ConfigError, match=re.escape(names)):
+        distcompile.wrap(nn.Linear(2, 2), **options)
 
 
 def test_cudagraphs_on_cpu(single_rank_group) -> None:
