@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -37,6 +39,10 @@ def _worker() -> None:
     from distcompile.models import GPT, GPTConfig, synthetic_batch
 
     torch.set_num_threads(1)
+    lines: list[str] = []  # the compile log, for where the pieces came from and what was sent
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("distcompile").addHandler(handler)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     cfg = GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -69,6 +75,12 @@ def _worker() -> None:
         "compiled_here": record.piece_sources.get("compiled here", 0),
         "pieces": len(record.plan.compiled_pieces) - record.pieces_reused,
         "control_plane": control_plane_counts(),
+        "received_mb": _mb(r"([\d.]+) MB through", lines),
+        "route": next(
+            (m.group(1) for x in lines if (m := re.search(r"MB through (the store|the leaders' tree)", x))),
+            "",
+        ),
+        "sent_mb": _mb(r"([\d.]+) MB sent down the leaders' tree", lines),
     }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -79,14 +91,24 @@ def _worker() -> None:
     dist.destroy_process_group()
 
 
+def _mb(pattern: str, lines: list[str]) -> float:
+    """The last figure ``pattern`` finds in the compile log (cumulative over graphs), or 0."""
+    found = [float(m.group(1)) for x in lines if (m := re.search(pattern, x))]
+    return found[-1] if found else 0.0
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="2,4,8,16")
     p.add_argument("--out", default="")
     args = p.parse_args()
     results = {}
-    print(f"{'ranks':>5} {'folders':>7} {'parity (max rel. loss diff)':>28} {'compiles in job':>15} "
-          f"{'distinct':>8} {'first-step CPU s (median/max)':>30} {'store ops/rank (max)':>20}", flush=True)
+    print(
+        f"{'ranks':>5} {'folders':>7} {'parity (max rel. loss diff)':>28} {'compiles in job':>15} "
+        f"{'distinct':>8} {'first-step CPU s (median/max)':>30} {'store ops/rank (max)':>20} "
+        f"{'MB sent by a rank (max)':>23} {'MB a leader received':>20}",
+        flush=True,
+    )
     for n in [int(s) for s in args.sizes.split(",")]:
         with tempfile.TemporaryDirectory() as root:
             out = os.path.join(root, "out.json")
@@ -94,7 +116,14 @@ def main() -> None:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             t0 = time.perf_counter()
             subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__],
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={n}",
+                    __file__,
+                ],
                 env=env,
                 check=True,
                 stdout=subprocess.DEVNULL,
@@ -109,7 +138,8 @@ def main() -> None:
         results[n] = {"ranks": ranks, "job_wall_s": wall, "max_rel_loss_diff": diff}
         print(
             f"{n:>5} {max(1, n // 2):>7} {diff:>28.2e} {sum(r['compiled_here'] for r in ranks):>15} "
-            f"{ranks[0]['pieces']:>8} {cpu[len(cpu) // 2]:>14.2f} / {cpu[-1]:<13.2f} {ops:>20}",
+            f"{ranks[0]['pieces']:>8} {cpu[len(cpu) // 2]:>14.2f} / {cpu[-1]:<13.2f} {ops:>20} "
+            f"{max(r['sent_mb'] for r in ranks):>23.2f} {max(r['received_mb'] for r in ranks):>20.2f}",
             flush=True,
         )
     if args.out:

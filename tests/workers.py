@@ -648,3 +648,24 @@ def tree_broadcasts(rank: int, world: int) -> dict:
         got[root], sent[root] = tree_broadcast(data, root=root, ranks=leaders, group=group)
     empty, _ = tree_broadcast(b"" if rank == 2 else None, root=2, ranks=leaders, group=group)
     return {"got": got, "sent": sent, "empty": empty}
+
+
+def tree_leader_lost(rank: int, world: int) -> dict:
+    """Two folders' leaders; rank 1 dies inside the tree (after its share was ready): rank 0
+    compiles what it lacks, says why, and marks the tree broken for the rest of the job."""
+    from torch import fx, nn
+
+    from distcompile.compile import tree
+    from distcompile.compile.sharing import CompileJob, CompileSharing
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"tree{rank}_")
+    if rank == 1:
+        tree.tree_broadcast = lambda *a, **k: os._exit(0)  # gone mid-transfer
+    store = dist.distributed_c10d._get_default_store()
+    sharing = CompileSharing(lambda: store, "tl", rank=rank, ranks=(0, 1), timeout_s=5)
+    sharing.peers, sharing.folders = (rank,), {0: 0, 1: 1}  # as find_peers finds two folders
+    big = fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)))
+    jobs = [CompileJob(big, [], "big"), CompileJob(fx.symbolic_trace(nn.ReLU()), [], "small")]
+    lines = distcompile_messages()
+    out = sharing.compile_all(jobs, compile_one=lambda job: job.key, graph="g")
+    return {"out": out, "log": lines, "broken": store.check(["tl/tree/broken"]), "route": sharing.route}

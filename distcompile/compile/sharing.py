@@ -331,6 +331,9 @@ class CompileSharing:
             for n in [self.sources["other-folder peer"]]
             if n
         ]
+        parts += [
+            f"{self.sent_bytes / 1e6:.1f} MB sent down the leaders' tree" for _ in [0] if self.sent_bytes
+        ]
         return "pieces: " + ", ".join(parts) if parts else ""
 
     def _compile_here(self, compile_one: Callable[[CompileJob], object], job: CompileJob) -> object:

@@ -77,6 +77,7 @@ def _sharing(store: dist.Store, rank: int) -> CompileSharing:
     # The other rank's part of warm_ranks (Note [The control plane]: gather_small): its folder is cold too.
     store.append("t/g/warm/all", f"{1 - rank}=0;")
     store.add("t/g/warm/n", 1)
+    store.set("t/tree/broken", "1")  # the store's path, as after a failure in the leaders' tree
     return s
 
 

@@ -38,3 +38,10 @@ def test_a_tree_among_some_ranks_carries_each_leaders_bytes_to_the_others() -> N
     for root in (0, 2, 4):  # 3 leaders: 2 rounds; the root sends in both, one relay once at most
         assert results[root]["sent"][root] == 2 * (1000 + root)
         assert sum(results[r]["sent"][root] for r in (0, 2, 4)) == 2 * (1000 + root)  # each leader gets it once
+
+
+def test_a_leader_lost_inside_the_tree_costs_a_compile_here_not_a_hang() -> None:
+    res = run_ranks(workers.tree_leader_lost, 2, timeout=120, may_die=(1,))[0]
+    assert res["out"] == ["big", "small"], res  # its share, and the lost leader's compiled here
+    assert any("the leaders' tree failed" in x for x in res["log"]), res["log"]
+    assert res["broken"] and res["route"] == "the leaders' tree", res  # later graphs: the store
