@@ -43,6 +43,7 @@ def _worker() -> None:
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("distcompile").addHandler(handler)
+    logging.getLogger("distcompile").setLevel(logging.INFO)  # every rank's compile log line
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     cfg = GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)
