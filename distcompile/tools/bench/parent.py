@@ -278,7 +278,7 @@ def _add_modes(p: argparse.ArgumentParser) -> None:
         "--compile-sharing",
         action="store_true",
         help="instead of step times: the job's first step with one cache folder per rank (compiles "
-        "shared through the store, or not) against one shared folder, cold, and at a restart with one "
+        "shared between the folders, or not) against one shared folder, cold, and at a restart with one "
         "folder emptied against both warm",
     )
     p.add_argument("--control-plane", action="store_true", help="instead: the store protocols at --ranks")

@@ -3,7 +3,7 @@
 Two ranks ("nodes": one per network namespace on a shaped link, or both on loopback),
 each run in new processes, first step of ``dc_inductor`` (the slower rank's, as the
 step ends in an all-reduce). Cold: one shared empty folder (a node with a shared
-filesystem), two empty folders with compiles shared through the job's store (Note
+filesystem), two empty folders with compiles shared between them (Note
 [Compiles shared across cache folders]), two empty folders with ``share_compiles=False``
 (every rank compiles everything: the behaviour without sharing). Restart: both folders
 warm, and one folder emptied (a replacement node), with sharing and without.
@@ -25,7 +25,7 @@ __all__ = ["run_sharing", "sharing_table"]
 #: (name, folders by rank (letters name folders), variant, folder emptied first, reference row)
 _SCENARIOS = (
     ("cold, one shared folder", "AA", "dc_inductor", "", ""),
-    ("cold, two folders, shared through the store", "BC", "dc_inductor", "", "cold, one shared folder"),
+    ("cold, two folders, shared between them", "BC", "dc_inductor", "", "cold, one shared folder"),
     ("cold, two folders, share_compiles=False", "DE", "dc_inductor_noshare", "", "cold, one shared folder"),
     ("restart, both folders warm", "BC", "dc_inductor", "", ""),
     ("restart, folder of rank 1 emptied", "BC", "dc_inductor", "C", "restart, both folders warm"),
