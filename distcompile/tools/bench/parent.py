@@ -260,7 +260,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     p.add_argument("--first-step-only", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="the GPT's layer count (default: the workload's; --compile-scaling takes --depths)",
+    )
     p.add_argument("--recompile", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -339,24 +344,28 @@ def main(argv: list[str] | None = None) -> int:
             return run_sharing(
                 args, _launch, net, _link(args, net), argv if argv is not None else sys.argv[1:]
             )
-    common = [
-        "--variants",
-        ",".join(names),
-        "--device",
-        args.device,
-        "--world",
-        str(args.world),
-        "--ranks-per-gpu",
-        str(args.ranks_per_gpu),
-        "--rounds",
-        str(args.rounds),
-        "--block",
-        str(args.block),
-        "--warmup",
-        str(args.warmup),
-        "--workload",
-        args.workload,
-    ] + (["--small"] if args.small else [])
+    common = (
+        [
+            "--variants",
+            ",".join(names),
+            "--device",
+            args.device,
+            "--world",
+            str(args.world),
+            "--ranks-per-gpu",
+            str(args.ranks_per_gpu),
+            "--rounds",
+            str(args.rounds),
+            "--block",
+            str(args.block),
+            "--warmup",
+            str(args.warmup),
+            "--workload",
+            args.workload,
+        ]
+        + (["--small"] if args.small else [])
+        + (["--layers", str(args.layers)] if args.layers else [])
+    )
     if args.trace_dir:
         common += ["--trace-dir", os.path.abspath(args.trace_dir)]
     with tempfile.TemporaryDirectory(prefix="dc_bench_") as tmp, _shaped_link(args.link, args.nodes) as net:

@@ -79,6 +79,7 @@ def _row(
         *("--variants", variant, "--device", "cpu", "--world", str(args.world)),
         *("--warmup", "0", "--first-step-only", "--workload", args.workload),
         *(["--small"] if args.small else []),
+        *(["--layers", str(args.layers)] if args.layers else []),
     ]
     launch(args, extra, net, caches, out)
     with open(out) as f:
@@ -116,6 +117,7 @@ def run_sharing(
     text = sharing_table(rows)
     print("\n" + text)
     name = f"{meta.get('date', 'undated')}-compile-sharing-{link[0]}" + ("-small" if args.small else "")
+    name += f"-{args.layers}-layers" if args.layers else ""
     markdown = (
         f"# Compile sharing across cache folders, {meta.get('date')}\n\n"
         f"Command: `{meta['command']}`\n\n"
