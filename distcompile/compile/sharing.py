@@ -147,6 +147,7 @@ class CompileSharing:
         self._taken: set[str] = set()  # "installed" keys this rank already fetched or waited for
         self._group: object | None = None  # the leaders' gloo group, made at first use
         self._blob: bytes = b""  # this leader's sealed share, for the tree
+        self._roots: tuple[int, ...] = ()  # the leaders whose shares go down the tree
 
     def find_peers(self) -> tuple[int, ...]:
         """The peers, found on first use (collective over ``ranks``), and every rank's folder."""
@@ -246,6 +247,8 @@ class CompileSharing:
         out: list = [None] * len(jobs)
         by_tree = self._by_tree(store, plan, folders)
         self.route = "the leaders' tree" if by_tree else "the store"
+        # Cold start: every leader's share; restart: one warm folder holds every piece.
+        self._roots = plan.publishers[:1] if warm else plan.publishers
         if runs_on_cpu(a for job in jobs for a in job.args):
             if warm and self.rank not in warm:  # a cold folder: the warm folder's CPU-check libraries first
                 self._take_other_folders(store, plan, graph, installed, by_tree)
@@ -346,7 +349,7 @@ class CompileSharing:
         """Every leader: once each publisher is ready, its sealed share down a binomial tree;
         the leaders that need other folders' pieces install what arrives."""
         leaders = sorted(set(self.folders.values()))
-        for lead in plan.publishers:
+        for lead in self._roots:
             if lead != self.rank and not self._wait_for(
                 store, f"{self.prefix}/{graph}/art/{lead}/ready", lead, graph
             ):
@@ -354,7 +357,7 @@ class CompileSharing:
         try:
             if self._group is None:
                 self._group = tree.leaders_group(leaders, self.timeout_s)
-            for lead in plan.publishers:
+            for lead in self._roots:
                 data, sent = tree.tree_broadcast(
                     self._blob if lead == self.rank else None, root=lead, ranks=leaders, group=self._group
                 )

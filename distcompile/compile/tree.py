@@ -9,21 +9,23 @@ folders, and held them until the last reader came. At 512 folders and tens of MB
 kernels per graph that is GBs through one process.
 
 Algorithm: the leaders form a gloo process group of their own (made at the first
-exchange, by the leaders only). Each publisher's sealed payload (``transfer.seal``: hash
-and build fingerprint) is broadcast down a binomial tree rooted at it: in round k, every
-leader that has the payload and sits at position p < 2^k (counted from the root) sends it
-to position p + 2^k. A tree carries one payload in ceil(log2 F) rounds; a leader sends it
-at most ceil(log2 F) times (the root most), so for one graph no process sends more than
-ceil(log2 F) x the bytes published, whatever F, and the store carries none of them.
-Before the tree, every leader marks in the store that its folder's share is done and waits
-for the publishers' marks as for any peer's compile (heartbeats, ``desync_timeout_s`` for
-a silent one); so a leader enters the tree only when every publisher can send at once,
-and the group's timeout (``desync_timeout_s``) bounds what a peer lost inside it costs.
-After a failure inside the group the exchange goes through the store for the rest of the
-job (a group left mid-message cannot be trusted with the next one).
+exchange, by the leaders only). The roots are every leader at a cold start (each folder
+compiled a share) and one warm folder's leader at a restart (it holds every piece). Each
+root's sealed payload (``transfer.seal``: hash and build fingerprint) is broadcast down a
+binomial tree rooted at it: in round k, every leader that has the payload and sits at
+position p < 2^k (counted from the root) sends it to position p + 2^k. A tree carries one
+payload in ceil(log2 F) rounds; a leader sends it at most ceil(log2 F) times (the root
+most), so for one graph no process sends more than ceil(log2 F) x the bytes published,
+whatever F, and the store carries none of them. Before the tree, each publisher marks in
+the store that its folder's share is ready, and every leader waits for the roots' marks as
+for any peer's compile (heartbeats, ``desync_timeout_s`` for a silent one); so a leader
+enters the tree only when every root can send at once, and the group's timeout
+(``desync_timeout_s``) bounds what a peer lost inside it costs. After a failure inside the
+group the exchange goes through the store for the rest of the job (a group left
+mid-message cannot be trusted with the next one).
 
-Cost per graph: sizes and bytes in ceil(log2 F) rounds per publisher; store operations:
-one mark and one wait per publisher and leader.
+Cost per graph: sizes and bytes in ceil(log2 F) rounds per root; store operations: one
+mark per publisher and one wait per root and leader.
 """
 
 from __future__ import annotations
