@@ -44,12 +44,17 @@ def sharing_table(rows: list[dict]) -> str:
 
     Example:
         >>> print(sharing_table([{"scenario": "cold, one shared folder", "first_step_s": 10.0, "ratio": None}]))
-        scenario                 first step s  vs reference  rank 0's pieces: here / cache / same folder / store
-        -----------------------  ------------  ------------  ---------------------------------------------------
+        scenario                 first step s  vs reference  rank 0's pieces: here / cache / same folder / other folder
+        -----------------------  ------------  ------------  ----------------------------------------------------------
         cold, one shared folder  10.00         -             -
     """
     out = [
-        ("scenario", "first step s", "vs reference", "rank 0's pieces: here / cache / same folder / store")
+        (
+            "scenario",
+            "first step s",
+            "vs reference",
+            "rank 0's pieces: here / cache / same folder / other folder",
+        )
     ]
     for r in rows:
         if "error" in r:
@@ -126,7 +131,7 @@ def run_sharing(
         "the step ends in an all-reduce, so it waits for the slower rank). Folders are Inductor cache "
         "folders (`TORCHINDUCTOR_CACHE_DIR`); the restart rows reuse the folders of the cold rows above "
         "them. Rank 0's pieces: where its distinct pieces came from (compiled in the process, its "
-        "cache folder, a peer of the same folder, another folder's rank through the store).\n\n"
+        "cache folder, a peer of the same folder, another folder's leader, by the leaders' tree or, after a failure there, the store).\n\n"
         f"```\n{text}\n```\n"
     )
     write_results(args.out_dir, name, {"meta": meta, "rows": rows}, markdown)
