@@ -38,6 +38,7 @@ Debugging
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections import Counter
@@ -50,7 +51,7 @@ from torch import fx
 from .. import _torch_compat as compat
 from .._store import CountedStore, counted
 from . import transfer, tree
-from .cpu_checks import run_cpu_checks, runs_on_cpu
+from .cpu_checks import run_cpu_checks, runs_on_cpu, share_cpu_checks
 from .peers import Heartbeat, cache_peers, folder_of, touch, wait_for_peer, warm_marker, warm_ranks
 from .share_plan import SharePlan, plan_sharing
 
@@ -148,6 +149,7 @@ class CompileSharing:
         self._group: object | None = None  # the leaders' gloo group, made at first use
         self._blob: bytes = b""  # this leader's sealed share, for the tree
         self._roots: tuple[int, ...] = ()  # the leaders whose shares go down the tree
+        self._broken = f"{prefix}/tree/broken"  # set once the tree failed: the store from then on
 
     def find_peers(self) -> tuple[int, ...]:
         """The peers, found on first use (collective over ``ranks``), and every rank's folder."""
@@ -253,7 +255,14 @@ class CompileSharing:
             if warm and self.rank not in warm:  # a cold folder: the warm folder's CPU-check libraries first
                 self._take_other_folders(store, plan, graph, installed, by_tree)
             # Inductor's one-time CPU checks come before its first C++ kernel: split them too.
-            run_cpu_checks(len(sharers), sharers.index(self.rank))
+            if not warm and len(set(folders.values())) > 1:  # and carried to the other folders
+                wait, key = (
+                    functools.partial(self._wait_for, store, graph=graph),
+                    f"{self.prefix}/{graph}/checks",
+                )
+                share_cpu_checks(store, key, rank=self.rank, sharers=sharers, folders=folders, wait=wait)
+            else:
+                run_cpu_checks(len(sharers), sharers.index(self.rank))
         with compat.eager_backward():
             for j in plan.mine:
                 try:
@@ -273,14 +282,9 @@ class CompileSharing:
         return out
 
     def _by_tree(self, store: CountedStore, plan: SharePlan, folders: dict[int, int]) -> bool:
-        """Whether the folders' shares travel by the leaders' tree (Note [Compiles between folders
-        by tree]) rather than through the store: several leaders, something to publish, and no
-        failure in the tree earlier in the job."""
+        """Whether the folders' shares go down the leaders' tree (Note [Compiles between folders by
+        tree]), not through the store: several leaders, something to send, no failure in it yet."""
         return len(set(folders.values())) > 1 and bool(plan.publishers) and not store.check([self._broken])
-
-    @property
-    def _broken(self) -> str:
-        return f"{self.prefix}/tree/broken"
 
     def _take_other_folders(
         self, store: CountedStore, plan: SharePlan, graph: str, installed: str, by_tree: bool
@@ -293,18 +297,14 @@ class CompileSharing:
         if not plan.is_leader:
             self._wait_for(store, installed, plan.leader, graph)
             return
-        if by_tree:
-            try:
-                self._exchange_by_tree(store, plan, graph)
-            finally:
-                store.set(installed, "1")  # loaded or not: the folder's ranks compile what is missing
-            return
         try:
-            for lead in plan.fetches:
+            if by_tree:
+                self._exchange_by_tree(store, plan, graph)
+            for lead in () if by_tree else plan.fetches:
                 self._load_from(store, lead, graph)
         finally:
             store.set(installed, "1")  # loaded or not: the folder's ranks compile what is missing
-        if store.add(f"{self.prefix}/{graph}/art/fetched", 1) == plan.fetchers:
+        if not by_tree and store.add(f"{self.prefix}/{graph}/art/fetched", 1) == plan.fetchers:
             for lead in plan.publishers:
                 transfer.delete(store, f"{self.prefix}/{graph}/art/{lead}")
 

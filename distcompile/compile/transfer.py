@@ -58,6 +58,7 @@ __all__ = [
     "install",
     "pack",
     "publish",
+    "read_libraries",
     "seal",
     "unpack",
     "unseal",
@@ -139,18 +140,24 @@ def unpack(blob: bytes) -> tuple[bytes, dict[str, bytes]]:
     return entries, libs
 
 
-def collect() -> bytes:
-    """What this process can give: its compile-cache entries and the C++ kernel libraries
-    it loaded, packed (``b""`` when it has none)."""
-    entries = compat.save_artifacts()
+def read_libraries(paths: list[str]) -> dict[str, bytes]:
+    """The bytes of each library (paths relative to Inductor's cache folder) still there."""
     root = compat.inductor_cache_dir()
     libs = {}
-    for rel in compat.kernel_libraries():
+    for rel in paths:
         try:
             with open(os.path.join(root, rel), "rb") as f:
                 libs[rel] = f.read()
         except OSError:  # removed meanwhile: the receiver compiles that kernel
             continue
+    return libs
+
+
+def collect() -> bytes:
+    """What this process can give: its compile-cache entries and the C++ kernel libraries
+    it loaded, packed (``b""`` when it has none)."""
+    entries = compat.save_artifacts()
+    libs = read_libraries(compat.kernel_libraries())
     return pack(entries, libs) if entries or libs else b""
 
 
