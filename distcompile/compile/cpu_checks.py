@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -13,6 +14,8 @@ from . import transfer
 from .peers import assign
 
 __all__ = ["cpu_check_order", "run_cpu_checks", "runs_on_cpu", "share_cpu_checks"]
+
+log = logging.getLogger(__name__)
 
 
 def cpu_check_order(checks: int, npeers: int, me: int) -> list[int]:
@@ -87,10 +90,16 @@ def share_cpu_checks(
     finally:  # built, failed or nothing to do: the others stop waiting (and build what is missing)
         store.set(f"{prefix}/{rank}/ready", "1")
     for peer in sorted({o for o in owner if folders[o] != folders[rank]}):
-        if wait(f"{prefix}/{peer}/ready", peer):
+        if not wait(f"{prefix}/{peer}/ready", peer):
+            continue
+        try:  # anything wrong: the checks are built here, as without sharing
             payload, why = transfer.fetch(store, f"{prefix}/{peer}", compat.build_fingerprint())
             if payload is not None:
                 transfer.install(payload)
+            elif why is not None and why.reason != "missing":
+                log.warning("rank %d: not installing rank %d's CPU-check libraries: %s", rank, peer, why)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("rank %d: not installing rank %d's CPU-check libraries: %s", rank, peer, exc)
     for i in range(len(checks)):
         if owner[i] != rank:
             compat.run_cpu_isa_check(checks[i])  # loads what arrived; builds what did not
