@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _events
 from . import _torch_compat as compat
 from ._config import Config
 from ._errors import UnsupportedModelError
@@ -74,6 +75,8 @@ def wrap(model: nn.Module, config: Config | None = None, **options: object) -> D
         )
     inner, settings = adopt(model, cfg)
     _warn_if_restarts_share_the_agent_store()
+    if not _events.started():  # the first wrap of this process opens its life in the event log
+        _events.emit("start", rank=dist.get_rank(), world=dist.get_world_size(), life=settings.store_root)
     enable_progress(rank=dist.get_rank(), first_rank=dist.get_rank() == settings.ranks[0])
     telemetry = _make_telemetry(cfg, inner, settings)
     return DistCompiledModule(inner, config=cfg, settings=settings, source=model, observer=telemetry)

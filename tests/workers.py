@@ -343,18 +343,27 @@ def fullgraph_break(rank: int, world: int) -> str:
 
 
 def peer_failure(rank: int, world: int, how: str) -> str | None:
-    """Rank 1 fails at step 2 (raises in forward, or is SIGKILLed); rank 0 must get a clear error fast."""
+    """Rank 1 fails at step 2 (raises in forward, is SIGKILLed, or stalls past the group's
+    timeout); rank 0 must get a clear error fast."""
     import os
     import signal
     import time
+    from datetime import timedelta
 
     torch.manual_seed(0)
-    model = distcompile.wrap(DDP(BUILDERS["mlp_seq"](), bucket_cap_mb=0.01), backend="eager")
+    # A stall: a group whose collectives give up after 3 s, and rank 1 sleeping for 8.
+    group = dist.new_group(timeout=timedelta(seconds=3)) if how == "stall" else None
+    model = distcompile.wrap(
+        DDP(BUILDERS["mlp_seq"](), bucket_cap_mb=0.01, process_group=group), backend="eager"
+    )
     for step in range(4):
         x = torch.randn(4, 64)
         if rank == 1 and step == 2:
             if how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if how == "stall":
+                time.sleep(8)
+                return "stalled"
             x = torch.randn(4, 63)  # a bad batch: the first Linear raises in forward
         t0 = time.monotonic()
         try:

@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 from torch import fx
 
+from .. import _events
 from .. import _torch_compat as compat
 from .._agreement import default_store
 from .._config import Config
@@ -379,6 +380,7 @@ class GraphCompiler:
     def _record(self, record: GraphRecord, compiled: Callable, t0: float) -> Callable:
         self._doing = "recording the compiled graph"
         self.records.append(record)
+        _events.emit("compiled", graph=record.graph_id, sources=record.piece_sources)
         t = self.target
         log.info(
             "graph %d compiled in %.2f s (%d piece(s) reused from identical blocks, %d cache hit(s))%s; %s",

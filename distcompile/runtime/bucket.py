@@ -5,12 +5,15 @@ The schedule of buckets and the algorithm are in ``reducer.py`` (Note [Bucketed 
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .. import _events
 from .._errors import CommunicationError, NonFiniteGradientError, UnsupportedModelError
 from .graph_memory import is_owned, own
 from .hooks import CommHook
@@ -267,19 +270,48 @@ def raise_if_nonfinite(buckets: Sequence, step: int) -> None:
             )
 
 
+#: What a failed collective's message says happened, first match wins (gloo's and NCCL's words).
+_CAUSES = (
+    (r"closed by peer|reset by peer|broken pipe|connection refused|\bEOF\b|aborted|no route to host",
+     "a peer died (its process exited or was killed, or its node or link went down)"),
+    (r"timed? ?out|timeout|deadline", "a peer stalled or the link timed out (no data within the "
+     "process group's timeout)"),
+)  # fmt: skip
+
+
+def what_happened(exc: BaseException) -> str:
+    """A peer died, stalled, or the link timed out: what ``exc`` from a collective says, in words.
+
+    Example:
+        >>> what_happened(RuntimeError("[pair.cc:534] Read error [10.0.0.2]:4242: Connection reset by peer"))
+        'a peer died (its process exited or was killed, or its node or link went down) [10.0.0.2]:4242'
+    """
+    text = " ".join(str(exc).split())
+    where = re.search(r"\[[0-9a-fA-F.:]+\]:\d+", text)
+    for pattern, words in _CAUSES:
+        if re.search(pattern, text, re.IGNORECASE):
+            return words + (f" {where.group(0)}" if where else "")
+    return "the collective failed"
+
+
 def comm_error(
     bucket: object, step: int, peers: Callable[[], str], doing: str, exc: Exception
 ) -> CommunicationError:
     """The error for a failed all-reduce of ``bucket`` in ``step``, with what is known of the peers.
 
+    Also logs its first line at once (before Python's traceback reaches the console) and
+    records it in the job's event log.
+
     Example:
         >>> b = type("B", (), {"index": 1, "nbytes": 8, "params": [None]})()
-        >>> str(comm_error(b, 3, lambda: "", "waiting for", RuntimeError("gone")))[:52]
-        'rank 0: waiting for the all-reduce of bucket 1 (8 by'
+        >>> str(comm_error(b, 3, lambda: "", "waiting for", RuntimeError("gone")))[:61]
+        'rank 0: step 3, bucket 1: the collective failed while waiting'
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return CommunicationError(
-        f"rank {rank}: {doing} the all-reduce of bucket {bucket.index} "  # type: ignore[attr-defined]
-        f"({bucket.nbytes} bytes, {len(bucket.params)} parameters) in step {step} failed: "  # type: ignore[attr-defined]
-        f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}. {peers()}"
+    head = (
+        f"rank {rank}: step {step}, bucket {bucket.index}: {what_happened(exc)} while {doing} its "  # type: ignore[attr-defined]
+        f"all-reduce ({bucket.nbytes} bytes, {len(bucket.params)} parameters)"  # type: ignore[attr-defined]
     )
+    logging.getLogger("distcompile").error("%s", head)
+    _events.emit("error", error="CommunicationError", message=head)
+    return CommunicationError(f"{head}. {type(exc).__name__}: {' '.join(str(exc).split())[:500]}. {peers()}")

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import _events
 from .. import _torch_compat as compat
 from ..compile import transfer
 
@@ -124,6 +125,7 @@ def save_checkpoint(
         if os.path.exists(_artifacts_path(old)):
             os.remove(_artifacts_path(old))
     log.info("checkpoint written: %s", path)
+    _events.emit("checkpoint", step=step, path=path)
     return path
 
 
@@ -230,4 +232,5 @@ def load_checkpoint(
         )
     _install_artifacts(path)
     log.info("resumed from %s (step %d)", path, payload["step"])
+    _events.emit("resumed", step=payload["step"], path=path)
     return {"step": payload["step"], "extra": payload["extra"], "path": path}

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
+from .. import _events
 from .. import _torch_compat as compat
 from .._agreement import default_store, failed_ranks, layouts_agree, mark_failed
 from .._config import Config
@@ -203,6 +204,7 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
         except Exception as exc:
             # Peers blocked in an all-reduce with this rank can then name it.
             mark_failed(default_store(), self._store_prefix, self._rank, f"{type(exc).__name__}: {exc}")
+            _events.emit("error", error=type(exc).__name__, message=" ".join(str(exc).split())[:1000])
             # Our own errors raised while planning inside the backend arrive wrapped by
             # TorchDynamo; show the user the distcompile error itself (with its traceback).
             inner = compat.backend_failure_cause(exc)
@@ -398,7 +400,8 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
         Example:
             >>> # model.close()  # at the end of training
         """
-        shutdown.untrack(self)
+        if shutdown.untrack(self):  # the first close
+            _events.emit("close", steps=self._reducer.steps)
         self.detach_from(self._source[0])
         self._reducer.close()
         self._drop_regions()

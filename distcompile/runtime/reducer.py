@@ -56,6 +56,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from .. import _events
 from .. import _torch_compat as compat
 from .._errors import CommunicationError, ConfigError, DistCompileError
 from ..planning.plan import Plan
@@ -115,6 +116,7 @@ class BucketReducer(WriteBack):
         self.detect_nonfinite = detect_nonfinite
         self.describe_peers = describe_peers
         self.steps = 0
+        self._step_events = _events.enabled(first_of_node=True)
         self.group = group
         self.compression = compression
         self.compress_tail_only = compress_tail_only
@@ -339,6 +341,8 @@ class BucketReducer(WriteBack):
             report_uncompiled(step.order or (), claimed, self.params, log)
         self.last_step = stats
         self.steps += 1
+        if self._step_events:  # the first rank of each node: one line a step and node
+            _events.emit("step", n=self.steps)
 
     def abandon_step(self) -> None:
         """Forget an open step whose backward never ran (e.g. forward under grad, no backward)."""

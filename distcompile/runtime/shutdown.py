@@ -62,9 +62,11 @@ def track(model: _Closable) -> None:
     _open.add(model)
 
 
-def untrack(model: _Closable) -> None:
-    """Forget ``model`` (it was closed)."""
+def untrack(model: _Closable) -> bool:
+    """Forget ``model`` (it was closed); whether it was still tracked (its first close)."""
+    tracked = model in _open
     _open.discard(model)
+    return tracked
 
 
 def communication_threads() -> tuple[int, int] | None:

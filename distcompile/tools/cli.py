@@ -45,6 +45,12 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--first-bucket-cap-mb", type=float, default=None)
     report = sub.add_parser("report", help="summarize the telemetry a run wrote under LOGDIR")
     report.add_argument("logdir", help="the logdir given to distcompile.wrap (or distcompile demo)")
+    events = sub.add_parser(
+        "events", help="what happened to a job: its lives, restarts, resumes and first errors"
+    )
+    events.add_argument(
+        "files", nargs="+", help="event logs the job wrote (DISTCOMPILE_EVENTS; the launchers' files)"
+    )
     sub.add_parser(
         "bench",
         help="the overlap benchmark (all arguments go to it; see distcompile bench -h)",
@@ -94,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 1
         print("\n\n".join(summarize(r) for r in runs))
+        return 0
+    if args.command == "events":
+        from .._events import summary
+
+        print(summary(args.files))
         return 0
     if args.command == "demo":
         if (args.nproc is not None and args.nproc < 1) or args.steps < 2:

@@ -67,8 +67,16 @@ def test_peer_raising_in_forward_is_named() -> None:
 def test_killed_peer_gives_an_error_not_a_hang() -> None:
     msg = run_ranks(workers.peer_failure, 2, "kill", timeout=180, may_die=(1,))[0]
     assert "No other rank recorded an error" in msg and "bucket" in msg, msg
+    assert msg.split("s ", 1)[1].startswith("rank 0: step 2, bucket "), msg  # where, first
+    assert "a peer died" in msg, msg  # what happened, in words
     assert "ran out of data" in msg and "model.join()" in msg, msg  # uneven inputs: Join is the fix
     assert float(msg.split("s ", 1)[0]) < 60, msg
+
+
+def test_stalled_peer_is_called_a_stall_not_a_death() -> None:
+    msg = run_ranks(workers.peer_failure, 2, "stall", timeout=180)[0]
+    assert "a peer stalled or the link timed out" in msg and "step 2, bucket" in msg, msg
+    assert float(msg.split("s ", 1)[0]) < 8, msg  # the group's 3 s timeout, not the stall's end
 
 
 def test_parameters_differing_across_ranks_are_detected() -> None:

@@ -51,27 +51,41 @@ def _local(args: list[str], tmp: Path, **env: str) -> subprocess.CompletedProces
 
 
 def test_local_launcher(tmp_path: Path) -> None:
-    proc = _local([*TRAIN, "--steps", "3"], tmp_path, NPROC="2")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = _local([*TRAIN, "--steps", "3"], tmp_path, NPROC="2", TMPDIR=str(scratch))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = (
+        "distcompile: 1 life of the process group: recovered from 0 failure(s); the last life closed normally"
+    )
+    assert summary in proc.stderr, proc.stderr
+    assert not list(scratch.glob("distcompile-events.*"))  # the launcher's own event file is removed
     d = _digests(proc.stdout)
     assert set(d) == {0, 1} and d[0] == d[1], proc.stdout
 
 
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _workers_of(launcher_pid: int) -> dict[int, int]:
-    """LOCAL_RANK -> pid of torchrun's worker processes below ``launcher_pid``."""
+    """LOCAL_RANK -> pid of torchrun's worker processes below ``launcher_pid`` (torchrun or the
+    launcher script that runs it)."""
     found = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
         if not any(e.startswith(b"LOCAL_RANK=") for e in env):
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid != launcher_pid:
+        agent = _parent(int(pid))
+        if launcher_pid not in (agent, _parent(agent)):
             continue
         for e in env:
             if e.startswith(b"LOCAL_RANK="):
@@ -110,6 +124,9 @@ def test_elastic_restart_after_sigkill_resumes_without_loss(tmp_path: Path) -> N
             proc.kill()
     assert proc.returncode == 0, out + err
     assert "resumed from" in out, out + err
+    # The launcher's summary: one failure recovered from, and where the second life resumed.
+    assert "2 lives of the process group: recovered from 1 failure(s)" in err, err
+    assert "resumed from" in err.split("recovered from 1 failure", 1)[1], err
     got = _digests(out)
     # Resumed from the last checkpoint with the same data, optimizer state and RNG: the final
     # parameters are bitwise those of the uninterrupted run (CPU, same kernels, 2 ranks).
