@@ -1,0 +1,12 @@
+"""The chaos run (``distcompile bench --chaos``): faults injected into a real multi-node job, counted.
+
+- ``schedule.py``: the seeded fault schedule (pure).
+- ``inject.py``: the faults done to processes, links and folders.
+- ``job.py``: one job of the example GPT on namespaces as nodes, through ``launchers/``.
+- ``monitor.py``: the job's progress, from the nodes' event logs.
+- ``faults.py``: each fault and the recovery from it, measured (Note [Chaos run]).
+- ``figures.py``: the figures and the report.
+- ``run.py``: the command: an uninterrupted job, the chaos job, the comparison.
+"""
+
+__all__: list[str] = []
