@@ -287,6 +287,11 @@ def _add_modes(p: argparse.ArgumentParser) -> None:
         "folder emptied against both warm",
     )
     p.add_argument("--control-plane", action="store_true", help="instead: the store protocols at --ranks")
+    p.add_argument(
+        "--chaos",
+        action="store_true",
+        help="instead: the chaos run (its own options: distcompile bench --chaos -h)",
+    )
     p.add_argument("--ranks", default="2,8,64,256,1024", help="simulated job sizes of --control-plane")
 
 

@@ -155,8 +155,10 @@ class Injector:
         first = rec["step"]
         what = link_fault(ns, dev, True)
         rec["t"] = time.time()
-        try:
-            time.sleep(fault.seconds)
+        try:  # for its seconds, or until it has seen ``gap`` steps (the schedule allows that many)
+            self.mon.wait(
+                lambda: (self.mon.last_step() or (0, first))[1] - first >= fault.gap, fault.seconds, 0.2
+            )
         finally:
             link_fault(ns, dev, False)
         rec["ended"] = time.time()
@@ -202,7 +204,11 @@ class Injector:
             rec["outcome"] = "hang: no step after the fault ended"
             return
         life = self.mon.current()
-        t, step = next(s for s in life.steps if s[0] > ended)
+        after = [s for s in life.steps if s[0] > ended]
+        if not after:
+            rec["outcome"] = "the job ended before a step after the fault"
+            return
+        t, step = after[0]
         same = life.life == rec["life_before"]
         rec.update(recovered=same, fault_to_step_s=round(t - rec["t"], 2), restarted=not same)
         self.recovered_at = step

@@ -90,10 +90,10 @@ def make_schedule(
 def steps_needed(schedule: list[Fault], *, tail: int) -> int:
     """Steps the training must run so that every fault of ``schedule`` comes before its end
     and ``tail`` steps follow the last recovery (a fault fires at most ``gap + 1`` steps after
-    the step at which the previous fault fired).
+    the step at which the previous fault fired; a bad link lasts ``gap`` steps at most).
 
     Example:
-        >>> steps_needed([Fault(0, "stall", 0, 0, 6, 5.0), Fault(1, "kill_worker", 1, 0, 7, 0.0)], tail=5)
-        20
+        >>> steps_needed([Fault(0, "stall", 0, 0, 6, 5.0), Fault(1, "bad_link", 1, 0, 7, 9.0)], tail=5)
+        27
     """
-    return sum(f.gap + 1 for f in schedule) + tail
+    return sum(f.gap + 1 + (f.gap if f.kind == "bad_link" else 0) for f in schedule) + tail
