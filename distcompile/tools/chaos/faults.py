@@ -164,7 +164,10 @@ class Injector:
         rec["ended"] = time.time()
         self.mon.poll()
         rec["steps_during"] = (self.mon.last_step() or (0, first))[1] - first
-        rec["did"] = f"{what} on its link for {fault.seconds:.0f} s ({rec['steps_during']} steps meanwhile)"
+        rec["did"] = (
+            f"{what} on its link for {rec['ended'] - rec['t']:.1f} s (at most {fault.seconds:.0f} s or "
+            f"{fault.gap} steps; {rec['steps_during']} steps meanwhile)"
+        )
 
     # -- recovery --------------------------------------------------------------------
     def _restarted(self, rec: dict) -> None:
