@@ -191,6 +191,7 @@ class Injector:
             expected_resume=expected,
             recomputed=max(0, rec["step"] - (life.resumed if life.resumed is not None else -1)),
             fault_to_step_s=round(first_t - rec["t"], 2),
+            fault_to_start_s=round(life.started - rec["t"], 2),  # the processes' restart
             compiled_here=dict(life.compiled_here),
             resumed_newest=life.resumed == expected,
         )

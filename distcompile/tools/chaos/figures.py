@@ -63,6 +63,14 @@ def figures(records: list[dict], *, reference: dict, chaos: dict) -> dict:
             "median": statistics.median(times) if times else None,
             "max": max(times) if times else None,
         },
+        "restart_parts_s": {
+            "fault_to_new_life_median": _median(
+                [r["fault_to_start_s"] for r in restarts if "fault_to_start_s" in r]
+            ),
+            "new_life_to_step_median": _median(
+                [r["fault_to_step_s"] - r["fault_to_start_s"] for r in restarts if "fault_to_start_s" in r]
+            ),
+        },
         "restart_bound": {"within": within, "of": len(bound), "rule": "2 x (cold start + recomputed x step)"},
         "compiles_at_restart_warm_nodes": sum(warm),
         "compiles_at_restart_emptied_nodes": sum(cold),
@@ -101,6 +109,8 @@ def markdown(meta: dict, records: list[dict], fig: dict, reference: dict, chaos:
         f"| restarts | {fig['restarts']} |",
         f"| steps recomputed at each restart | {fig['recomputed_steps']} |",
         f"| fault to next completed step, median / max | {_s(ft['median'])} / {_s(ft['max'])} |",
+        f"| of a restart, median: fault to the new processes' wrap / from there to their first step | "
+        f"{_s(fig['restart_parts_s']['fault_to_new_life_median'])} / {_s(fig['restart_parts_s']['new_life_to_step_median'])} |",
         f"| restarts within {fig['restart_bound']['rule']} | {fig['restart_bound']['within']} of "
         f"{fig['restart_bound']['of']} (cold start {reference.get('first_step_s', 0):.1f} s, step "
         f"{reference.get('step_s', 0) * 1e3:.0f} ms) |",
@@ -112,6 +122,10 @@ def markdown(meta: dict, records: list[dict], fig: dict, reference: dict, chaos:
         f"| launchers' exit codes | {fig['exit_codes']} |",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 2) if xs else None
 
 
 def _kinds(counts: dict) -> str:
