@@ -121,6 +121,8 @@ def markdown(meta: dict, records: list[dict], fig: dict, reference: dict, chaos:
         f"| processes left after the job | {fig['orphans']} |",
         f"| launchers' exit codes | {fig['exit_codes']} |",
     ]
+    if chaos.get("launcher_summary"):
+        lines += ["", "Node 0's launcher, at the end of the job:", "```", chaos["launcher_summary"], "```"]
     return "\n".join(lines) + "\n"
 
 

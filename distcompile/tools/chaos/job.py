@@ -116,6 +116,16 @@ class Job:
             out.close()
         return procs
 
+    def summary(self, node: int) -> str:
+        """The launcher's summary at the end of ``node``'s output (``distcompile._events.summary``)."""
+        try:
+            with open(self.output(node)) as f:
+                text = f.read()
+        except OSError:
+            return ""
+        at = text.rfind("distcompile: ")
+        return text[at:].strip() if at >= 0 and " of the process group" in text[at:] else ""
+
     def outputs(self) -> str:
         """Every node's output, one after the other."""
         parts = []

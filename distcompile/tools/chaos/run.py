@@ -118,6 +118,7 @@ def _chaos(job: Job, schedule: list, seed: int) -> tuple[dict, list[dict]]:
         stop_everything(job.tag, job)
     return {
         "digests": digests(job.outputs()),
+        "launcher_summary": job.summary(0),
         "exit_codes": codes,
         "orphans": left,
         "wall_s": round(time.time() - t0, 1),
