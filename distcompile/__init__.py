@@ -5,7 +5,7 @@ Example:
     >>> # model = distcompile.wrap(DDP(MyModel()), backend="inductor")
 """
 
-from ._config import Config
+from ._config import CheckOptions, CommunicationOptions, CompileOptions, Config, TelemetryOptions
 from ._errors import (
     CommunicationError,
     CompileError,
@@ -29,8 +29,11 @@ from .runtime.module import DistCompiledModule
 
 __all__ = [
     "Bucket",
+    "CheckOptions",
     "CommunicationError",
+    "CommunicationOptions",
     "CompileError",
+    "CompileOptions",
     "Config",
     "ConfigError",
     "DesyncError",
@@ -45,6 +48,7 @@ __all__ = [
     "Plan",
     "RecompileError",
     "StageResult",
+    "TelemetryOptions",
     "UnsupportedModelError",
     "UnsupportedTorchError",
     "VerificationError",

@@ -14,14 +14,15 @@ import distcompile
 
 ROOT = pathlib.Path(distcompile.__file__).parent
 
-LEAVES = {"_errors", "_config", "_log", "_events", "_torch_compat", "_store", "_agreement"}
+LEAVES = {"_errors", "_options", "_config", "_log", "_events", "_torch_compat", "_store", "_agreement"}
 CORE = {"planning", "capture", "compile", "runtime", "telemetry"}
 #: Unit -> the units it may import (a unit is a subpackage or a top-level module).
 ALLOWED: dict[str, set[str]] = {
     "_errors": set(),
     "_log": set(),
     "_events": set(),
-    "_config": {"_errors", "_torch_compat"},
+    "_options": {"_errors", "_torch_compat"},
+    "_config": {"_errors", "_options"},
     "_torch_compat": {"_errors"},
     "_store": {"_torch_compat"},
     "_agreement": {"_errors", "_torch_compat", "_store"},

@@ -64,6 +64,39 @@ def test_numbers_and_paths_of_other_types_are_accepted() -> None:
     assert Config(mode="max-autotune-no-cudagraphs").mode == "max-autotune-no-cudagraphs"
 
 
+def test_options_are_grouped_by_concern_and_read_by_name() -> None:
+    import pickle
+
+    cfg = Config(backend="aot_eager", bucket_cap_mb=4, verify=False, logdir=pathlib.Path("runs"))
+    assert cfg.compile.backend == cfg.backend == "aot_eager"
+    assert (
+        cfg.communication.bucket_cap_mb == 4 and cfg.checks.verify is False and cfg.telemetry.logdir == "runs"
+    )
+    whole = Config(compile=distcompile.CompileOptions(backend="eager"), desync_timeout_s=5)
+    assert (
+        whole.backend == "eager"
+        and whole.desync_timeout_s == 5
+        and whole.communication == Config().communication
+    )
+    assert cfg.replace(backend="inductor").backend == "inductor" and cfg.backend == "aot_eager"
+    assert pickle.loads(pickle.dumps(cfg)) == cfg and hash(cfg) == hash(Config(**{"backend": "aot_eager",
+        "bucket_cap_mb": 4, "verify": False, "logdir": "runs"}))  # fmt: skip
+    with pytest.raises(AttributeError, match="immutable"):
+        cfg.backend = "eager"  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="did you mean 'backend'"):
+        _ = cfg.backnd
+    # An option given to the wrong group names the right one; a group of the wrong type is refused.
+    with pytest.raises(
+        ConfigError, match=r"'bucket_cap_mb' belongs to CommunicationOptions \(Config.communication\)"
+    ):
+        distcompile.CompileOptions(bucket_cap_mb=3)
+    with pytest.raises(ConfigError, match="compile=.* must be a CompileOptions"):
+        Config(compile=distcompile.CheckOptions())
+    # Checks live in their group: the same errors whichever way the option came.
+    with pytest.raises(ConfigError, match="backend='tvm' is not one of"):
+        Config(compile=distcompile.CompileOptions(backend="tvm"))
+
+
 def test_unknown_option(single_rank_group) -> None:
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['bucket_size'\]"):
         distcompile.wrap(nn.Linear(2, 2), bucket_size=3)

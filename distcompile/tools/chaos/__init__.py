@@ -7,6 +7,7 @@
 - ``faults.py``: each fault and the recovery from it, measured (Note [Chaos run]).
 - ``figures.py``: the figures and the report.
 - ``run.py``: the command: an uninterrupted job, the chaos job, the comparison.
+- ``__main__.py``: ``python -m distcompile.tools.chaos``.
 """
 
 __all__: list[str] = []
