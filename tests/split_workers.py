@@ -59,7 +59,7 @@ def split_parity(rank: int, world: int, mode: str, steps: int = 3) -> dict:
             loss.backward()
             row.append(float(loss.detach()))
         losses.append(row)
-        layouts.append([(type(b).__name__, list(b.names)) for b in ours._reducer._last_order or []])
+        layouts.append([(type(b).__name__, list(b.names)) for b in ours._reducer.join.last_order or []])
         grad_diff.append(
             max(
                 float((a.grad - b.grad).abs().max() / b.grad.abs().max().clamp_min(1e-12))
@@ -72,7 +72,7 @@ def split_parity(rank: int, world: int, mode: str, steps: int = 3) -> dict:
     flat = torch.cat([p.detach().reshape(-1) for p in ours.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
-    order = ours._reducer._last_order or []
+    order = ours._reducer.join.last_order or []
     return {
         "losses": losses,
         "grad_diff": grad_diff,

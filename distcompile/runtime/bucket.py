@@ -1,6 +1,22 @@
 """One flat gradient bucket: its buffer, the used flags, filling, launching and finishing.
 
 The schedule of buckets and the algorithm are in ``reducer.py`` (Note [Bucketed all-reduce]).
+
+Note [Flat buckets]
+    * Every flat buffer ends with one flag per parameter (1 if this rank produced a
+      gradient this step). After the all-reduce, a parameter no rank produced a
+      gradient for keeps its ``grad`` untouched; otherwise it gets the average, with
+      zeros standing in for ranks without a gradient. This is DDP's
+      ``find_unused_parameters`` behaviour, always on, for one extra element per parameter.
+    * No host synchronization in a steady-state step: each bucket's flags are a device
+      tensor made once per pattern of produced gradients; gradients go into the bucket with
+      one copy and one scale per bucket (one scale with ``gradient_as_bucket_view``); after
+      the all-reduce, the flags decide on the device (``torch.where``) for a parameter this
+      rank left without gradient. Only when such a parameter has no ``.grad`` at all are the
+      flags read back (creating ``.grad`` is a host decision). ``work.wait()`` on NCCL makes
+      the current stream wait for the all-reduce, not the host; on gloo it blocks, as it must.
+    * ``gradient_as_bucket_view`` leaves ``param.grad`` as a view of the flat buffer, so
+      later steps accumulate straight into the bucket and launching needs no copy.
 """
 
 from __future__ import annotations
@@ -25,6 +41,9 @@ WIRE_DTYPES = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 class FlatBucket:
     """One flat buffer of same-dtype parameters, plus one used-flag per parameter."""
+
+    #: A communication hook sends this kind of bucket (not sparse ones).
+    hookable = True
 
     def __init__(
         self,

@@ -25,7 +25,7 @@ from .._errors import ConfigError, UnsupportedModelError
 from ..planning.costs import CostModel
 from ..planning.plan import DEFAULT_FIRST_BUCKET_BYTES
 from .collectives import agreed_token, broadcast_coalesced, group_device
-from .hooks import CommHook, adopt_hook, builtin_hook
+from .hooks import CommHook, adopt_hook, builtin_hook, check_exclusive
 from .measure import measure_costs
 from .nesting import data_parallel_kind, find_inner_data_parallel
 
@@ -102,11 +102,9 @@ def adopt(model: nn.Module, cfg: Config) -> tuple[nn.Module, Settings]:
         model, bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_cap_mb=cfg.first_bucket_cap_mb
     )
     broadcast_buffers, grad_as_view, (comm_hook, compression) = fields.pop("inherited")
-    if comm_hook is not None and cfg.compression is not None:
-        raise ConfigError(
-            f"compression={cfg.compression!r} and the DDP model's communication hook {comm_hook.name!r} both "
-            "decide how gradients travel. Drop compression= (the hook's own compression applies) or the hook."
-        )
+    check_exclusive(
+        comm_hook, cfg.compression, fix="Drop compression= (the hook's own compression applies) or the hook."
+    )
     group = fields["group"]
     params = list(inner.parameters())
     if cfg.cudagraphs and not (params and all(p.is_cuda for p in params)):

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from .._errors import UnsupportedModelError
+from .._errors import ConfigError, UnsupportedModelError
 
-__all__ = ["CommHook", "GradBucketView", "adopt_hook", "builtin_hook"]
+__all__ = ["CommHook", "GradBucketView", "HookChain", "adopt_hook", "builtin_hook", "check_exclusive"]
 
 #: DDP's hooks that are the fused all-reduce with a compression format (or none).
 _FUSED: dict[Callable, str | None] = {
@@ -149,3 +149,79 @@ def builtin_hook(name: str) -> str | None:
             f"DDP's built-in communication hook {name!r} is not known to distcompile."
         )
     return _BUILTIN[name]
+
+
+def check_exclusive(hook: CommHook | None, compression: str | None, *, fix: str) -> None:
+    """The hook rule: a communication hook and ``compression=`` both decide how gradients
+    travel, so they do not go together (``ConfigError`` ending with ``fix``).
+
+    Example:
+        >>> check_exclusive(None, "bf16", fix="")  # the fused path compresses: fine
+    """
+    if hook is not None and compression is not None:
+        raise ConfigError(
+            f"compression={compression!r} and communication hook {hook.name!r} both decide how gradients "
+            f"travel. {fix}"
+        )
+
+
+class HookChain:
+    """The reducer's way of sending buckets: a communication hook, or the fused all-reduce with
+    ``compression``; a change takes effect at the next step. Under a hook, one bucket's hook at a
+    time: a hook may chain collectives from its futures' callbacks (PowerSGD does); two chains
+    at once could order them differently on two ranks, or leave gloo no thread to run them
+    (eager DDP with PowerSGD, 3 buckets, hung on gloo).
+
+    Example:
+        >>> chain = HookChain(None, "bf16"); chain.set(None, None); chain.adopt_pending(), chain.compression
+        (True, None)
+    """
+
+    def __init__(self, hook: CommHook | None, compression: str | None) -> None:
+        self.hook, self.compression = hook, compression
+        self._pending: tuple[CommHook | None, str | None] | None = None
+        self._last: torch.futures.Future | None = None  # the previous bucket's hook
+
+    @property
+    def fused(self) -> bool:
+        """Whether buckets go by the fused all-reduce (no hook): parts and row buckets apply."""
+        return self.hook is None
+
+    @property
+    def name(self) -> str:
+        """The hook's name, or "" for the fused all-reduce."""
+        return self.hook.name if self.hook is not None else ""
+
+    def set(self, hook: CommHook | None, compression: str | None) -> None:
+        """Send with ``hook`` (or the fused path with ``compression``) from the next step on."""
+        self._pending = (hook, compression)
+
+    def adopt_pending(self) -> bool:
+        """At a step's start: take a hook set since; True if the way of sending changed."""
+        if self._pending is None:
+            return False
+        (self.hook, self.compression), self._pending = self._pending, None
+        return True
+
+    def new_step(self) -> None:
+        """The step's first bucket comes next: no hook to wait for."""
+        self._last = None
+
+    def for_bucket(self, bucket: object) -> CommHook | None:
+        """The hook that sends ``bucket`` (dense flat buckets only), or ``None``."""
+        return self.hook if getattr(bucket, "hookable", False) else None
+
+    def launched(self, future: torch.futures.Future, hooked: bool) -> None:
+        """Bucket launched; ``hooked``: by the hook (the next one waits for it)."""
+        if hooked:
+            self._last = future
+
+    def previous_done(self, bucket: object, *, wait: Callable[[Callable[[], object]], None] | None) -> bool:
+        """Whether ``bucket`` may launch: no hook, or the previous bucket's hook is done (waited
+        for with ``wait(previous.wait)`` when ``wait`` is given)."""
+        previous = self._last
+        if self.for_bucket(bucket) is None or previous is None:
+            return True
+        if wait is not None:
+            wait(previous.wait)
+        return previous.done()

@@ -18,9 +18,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
 from .. import _torch_compat as compat
+from .._errors import CommunicationError
 from .collectives import broadcast_coalesced
 
-__all__ = ["DistJoinHook", "notify_join", "sync_flag", "take_last_joiner_state"]
+__all__ = ["DistJoinHook", "JoinState", "notify_join", "sync_flag", "take_last_joiner_state"]
 
 
 def notify_join(joinables: Sequence[object]) -> dist.Work | None:
@@ -77,3 +78,43 @@ class DistJoinHook(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         """Take the last joiner's parameters, so that every replica ends equal."""
         self._finish(is_last_joiner)
+
+
+class JoinState:
+    """Join's part of a step's reduction: what each gradient is divided by (the ranks still
+    training), and the buckets of the last synchronized step, which a rank that joined shadows.
+
+    Example:
+        >>> state = JoinState(world_size=4); state.scale(None)
+        0.25
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._last_order: list | None = None
+
+    def scale(self, join_work: dist.Work | None) -> float:
+        """1 / the ranks that have not joined (the ``Join`` context's count, when one runs)."""
+        if join_work is None:
+            return 1.0 / self.world_size
+        join_work.wait()
+        return 1.0 / max(float(join_work.result()[0].item()), 1.0)
+
+    def remember(self, order: list) -> None:
+        """The buckets of a synchronized step that ended."""
+        self._last_order = order
+
+    @property
+    def last_order(self) -> list | None:
+        """The last synchronized step's buckets (``None`` before the first)."""
+        return self._last_order
+
+    def to_shadow(self) -> list:
+        """The buckets a joined rank all-reduces with zeros: the last synchronized step's."""
+        if self._last_order is None:
+            raise CommunicationError(
+                f"rank {dist.get_rank()} joined before its first synchronized step, so it does not know "
+                "the buckets the other ranks all-reduce and cannot take part. Give every rank at least "
+                "one batch inside the Join context."
+            )
+        return self._last_order

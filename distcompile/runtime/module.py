@@ -262,7 +262,7 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
             tolerance=config.verify_tolerance,
             compressed=settings.compression is not None,
             stepped=self._reducer.optimizers.stepped_ids,
-            hooked=lambda: self._reducer.comm_hook.name if self._reducer.comm_hook else "",
+            hooked=lambda: self._reducer.hooks.name,
         )
 
     def _describe_check(self) -> str:

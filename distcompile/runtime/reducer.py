@@ -26,21 +26,8 @@ Algorithm
       (an attached optimizer steps each bucket after its write; its buckets already done
       are written during backward: Note [The optimizer under communication]).
 
-Notes
-    * Every flat buffer ends with one flag per parameter (1 if this rank produced a
-      gradient this step). After the all-reduce, a parameter no rank produced a
-      gradient for keeps its ``grad`` untouched; otherwise it gets the average, with
-      zeros standing in for ranks without a gradient. This is DDP's
-      ``find_unused_parameters`` behaviour, always on, for one extra element per parameter.
-    * No host synchronization in a steady-state step: each bucket's flags are a device
-      tensor made once per pattern of produced gradients; gradients go into the bucket with
-      one copy and one scale per bucket (one scale with ``gradient_as_bucket_view``); after
-      the all-reduce, the flags decide on the device (``torch.where``) for a parameter this
-      rank left without gradient. Only when such a parameter has no ``.grad`` at all are the
-      flags read back (creating ``.grad`` is a host decision). ``work.wait()`` on NCCL makes
-      the current stream wait for the all-reduce, not the host; on gloo it blocks, as it must.
-    * ``gradient_as_bucket_view`` leaves ``param.grad`` as a view of the flat buffer, so
-      later steps accumulate straight into the bucket and launching needs no copy.
+    The flat buffers, their used flags and how they avoid host synchronization: Note
+    [Flat buckets] in ``bucket.py``.
 
 Debugging
     ``BucketReducer.last_step`` holds the last ``StepStats``; DEBUG logging for ``distcompile`` shows launches.
@@ -58,12 +45,13 @@ import torch.distributed as dist
 
 from .. import _events
 from .. import _torch_compat as compat
-from .._errors import CommunicationError, ConfigError, DistCompileError
+from .._errors import DistCompileError
 from ..planning.plan import Plan
 from ..planning.split import SplitPlan
-from .bucket import FlatBucket, comm_error
+from .bucket import comm_error
 from .graph_memory import take_ownership
-from .hooks import CommHook
+from .hooks import CommHook, HookChain
+from .join import JoinState
 from .layout import BucketForm, Layouts
 from .optim_in_backward import OptimizersInBackward
 from .schedule import Bucket, OpenStep, report_uncompiled
@@ -75,7 +63,7 @@ __all__ = ["BucketReducer", "StepObserver", "StepStats"]
 log = logging.getLogger(__name__)
 
 
-class BucketReducer(WriteBack):
+class BucketReducer:
     """Owns gradient synchronization for the trainable parameters of one wrapped model.
 
     Example:
@@ -107,25 +95,23 @@ class BucketReducer(WriteBack):
             self.params, sparse=set(sparse), bucket_caps=bucket_caps, agree=agree_layout, freeze=freeze
         )
         self.parts = self.layout.parts  # Note [Shared weights reduced by use]
-        self.comm_hook = comm_hook
-        self._pending_hook: tuple[CommHook | None, str | None] | None = None
-        self._last_order: list[Bucket] | None = None  # the last synchronized step's (Join shadows it)
-        self._last_hooked: torch.futures.Future | None = None  # the previous bucket's hook (one at a time)
+        self.hooks = HookChain(comm_hook, compression)
+        self.join = JoinState(dist.get_world_size(group))
         self.optimizers = OptimizersInBackward(self.params)
         self.observer = observer
-        self.detect_nonfinite = detect_nonfinite
         self.describe_peers = describe_peers
+        self.writeback = WriteBack(
+            parts=self.parts, optimizers=self.optimizers, hooks=self.hooks, group=group, observer=observer,
+            detect_nonfinite=detect_nonfinite, describe_peers=describe_peers,
+        )  # fmt: skip
         self.steps = 0
         self._step_events = _events.enabled(first_of_node=True)
         self.group = group
-        self.compression = compression
         self.compress_tail_only = compress_tail_only
         self.grad_as_view = grad_as_view
-        self.world_size = dist.get_world_size(group)
         self._step: OpenStep | None = None
         self._warned_unsynced = False
         self.last_step = StepStats()
-        self._waited_s = 0.0  # host time blocked on communication in the open step
         self._name_of = {id(p): n for n, p in self.params.items()}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params.values()]
 
@@ -146,24 +132,18 @@ class BucketReducer(WriteBack):
         ``join_work``: under ``Join``, the all-reduce that counts the ranks still training.
         """
         if self._step is None:
-            if self._pending_hook is not None:
-                (self.comm_hook, self.compression), self._pending_hook = self._pending_hook, None
+            if self.hooks.adopt_pending():
                 self.layout.clear()  # buckets are rebuilt for the new hook
             self.optimizers.adopt_new()
             self._step = OpenStep(join_work, divide_by_initial)
-            self._waited_s = 0.0
+            self.writeback.new_step()
             self.parts.clear()
             if self.observer is not None:
                 self.observer.begin_step()
 
     def set_comm_hook(self, hook: CommHook | None, compression: str | None) -> None:
         """Reduce with ``hook`` (or the fused path with ``compression``) from the next step on."""
-        if hook is not None and self.compress_tail_only:
-            raise ConfigError(
-                f"communication hook {hook.name!r} and compression_scope='tail' both decide how buckets "
-                "travel; drop compression_scope (the hook compresses if it wants to)."
-            )
-        self._pending_hook = (hook, compression)
+        self.hooks.set(hook, compression)
 
     def record_graph(self, graph_id: int) -> None:
         """Note that a captured graph ran with gradients in the open step."""
@@ -173,10 +153,7 @@ class BucketReducer(WriteBack):
 
     def claimed(self) -> set[str]:
         """Parameters bucketed by graphs that already ran in the open step."""
-        return set() if self._step is None else self._claimed_by(self._step)
-
-    def _claimed_by(self, step: OpenStep) -> set[str]:
-        return self.layout.claimed_by(step.graphs)
+        return set() if self._step is None else self.layout.claimed_by(self._step.graphs)
 
     @property
     def step_open(self) -> bool:
@@ -189,31 +166,22 @@ class BucketReducer(WriteBack):
 
     # -- backward side -------------------------------------------------------------
     def freeze_layout(self) -> None:
-        """From the next step on, one bucket layout whatever graphs ran (Note [Graphs that differ by data]).
-
-        At that step's first gradient, the ranks compare the layout their graphs give
-        (``agree_layout``): the same everywhere, it is kept (graph-aligned, as planned); not,
-        they take DDP's (reverse parameter order, cut at the bucket caps). Idempotent.
-        """
+        """From the next step on, one bucket layout whatever graphs ran (``Layouts.freeze``)."""
         self.layout.freeze()
 
     def _form(self) -> BucketForm:
         return BucketForm(
-            compression=None if self.comm_hook is not None else self.compression,
+            compression=self.hooks.compression if self.hooks.fused else None,
             compress_tail_only=self.compress_tail_only,
             grad_as_view=self.grad_as_view,
             fresh_grads=self.grads_in_graph_memory,
-            splits=self._splits(),
+            splits=self.hooks.fused,
         )
-
-    def _splits(self) -> bool:
-        """Whether parts and row buckets apply (not under a communication hook)."""
-        return self.comm_hook is None
 
     def take_part(self, name: str, grad: torch.Tensor) -> bool:
         """A piece's contribution to a shared parameter (``compile.wrappers``): True if taken."""
         step = self._step
-        if step is None or not self._splits():
+        if step is None or not self.hooks.fused:
             return False
         holder = self.parts.accept(name, grad, self._located(step), step.cursor)
         if holder is not None:
@@ -223,7 +191,7 @@ class BucketReducer(WriteBack):
     def _located(self, step: OpenStep) -> dict:
         if step.order is None:  # the step's first gradient: its buckets
             step.order, self._locate = self.layout.schedule(tuple(step.graphs), self._form())
-            self._last_hooked = None
+            self.hooks.new_step()
             step.started = time.perf_counter()
             compat.queue_engine_callback(self._finish_step)
         return self._locate
@@ -245,15 +213,12 @@ class BucketReducer(WriteBack):
             bucket.ready[i] = True
             bucket.n_ready += 1
         self._launch_ready(step)
-        if self.optimizers.active and self._streaming():
-            self._write_finished(step)
+        if self.optimizers.active and self.writeback.streaming():
+            self.writeback.write_finished(step, self.steps)
 
     def _scale(self, step: OpenStep) -> float:
         if step.scale is None:
-            step.scale = 1.0 / self.world_size
-            if step.join_work is not None:  # divide by the ranks that have not joined
-                step.join_work.wait()
-                step.scale = 1.0 / max(float(step.join_work.result()[0].item()), 1.0)
+            step.scale = self.join.scale(step.join_work)
         return step.scale
 
     def _launch_ready(self, step: OpenStep, *, all_remaining: bool = False) -> None:
@@ -269,22 +234,14 @@ class BucketReducer(WriteBack):
             step.cursor += 1
 
     def _previous_hook_done(self, bucket: Bucket, *, wait: bool) -> bool:
-        """Under a hook, one bucket's hook at a time: a hook may chain collectives from its futures'
-        callbacks (PowerSGD does); two chains at once could order them differently on two ranks,
-        or leave gloo no thread to run them (eager DDP with PowerSGD, 3 buckets, hung on gloo)."""
-        previous = self._last_hooked
-        if self.comm_hook is None or not isinstance(bucket, FlatBucket) or previous is None:
-            return True
-        if wait:
-            self._blocked(bucket.index - 1, previous.wait)
-        return previous.done()
+        blocked = (lambda w: self.writeback.blocked(bucket.index - 1, w)) if wait else None
+        return self.hooks.previous_done(bucket, wait=blocked)
 
     def _launch(self, bucket: Bucket, scale: float, *, is_last: bool) -> None:
         try:
-            hook = self.comm_hook if isinstance(bucket, FlatBucket) else None
+            hook = self.hooks.for_bucket(bucket)
             future = bucket.launch(self.group, scale, hook=hook, is_last=is_last)
-            if hook is not None:
-                self._last_hooked = future
+            self.hooks.launched(future, hooked=hook is not None)
             if self.observer is not None:
                 self.observer.bucket_launched(bucket.index, bucket.nbytes, len(bucket.params), future)
         except DistCompileError:
@@ -295,19 +252,13 @@ class BucketReducer(WriteBack):
     def shadow_step(self) -> None:
         """The collectives of one synchronized step with zero gradients, for a rank that joined
         (its buckets: the last step's). Its own gradients are left alone."""
-        order = self._last_order
-        if order is None:
-            raise CommunicationError(
-                f"rank {dist.get_rank()} joined before its first synchronized step, so it does not know "
-                "the buckets the other ranks all-reduce and cannot take part. Give every rank at least "
-                "one batch inside the Join context."
-            )
-        self._last_hooked = None
+        order = self.join.to_shadow()
+        self.hooks.new_step()
         for i, bucket in enumerate(order):
             bucket.reset()
             self._previous_hook_done(bucket, wait=True)
-            self._launch(bucket, 1.0 / self.world_size, is_last=i == len(order) - 1)
-        self._wait_and_write(order, write=False)
+            self._launch(bucket, self.join.scale(None), is_last=i == len(order) - 1)
+        self.writeback.wait_and_write(order, self.steps, write=False)
 
     def finish_step(self) -> None:
         """End the open step now, inside ``backward()``: launch and wait for every bucket (idempotent)."""
@@ -319,25 +270,18 @@ class BucketReducer(WriteBack):
         if step is None or step.order is None:
             return
         self._launch_ready(step, all_remaining=True)
-        self._wait_and_write(step.order[step.written :])
+        self.writeback.wait_and_write(step.order[step.written :], self.steps)
         self.optimizers.end_step()
         if self.parts.settle(step.order, joining=step.joining):
             self.layout.clear()  # a dense table's parts leave the layout, or come back
-        self._last_order = step.order
-        t1 = time.perf_counter()
-        stats = StepStats(
-            step=self.steps,
-            fwd_bwd_ms=(t1 - step.forward_at) * 1e3,
-            buckets=len(step.order),
-            bytes=sum(b.nbytes for b in step.order),
-            tail_bytes=sum(b.nbytes for b in step.order if b.tail),
-            wait_ms=self._waited_s * 1e3,
-            launch_ms=[(b.launched_at - step.started) * 1e3 for b in step.order],
-        )
+        self.join.remember(step.order)
+        stats = step.stats(self.steps, self.writeback.waited_s)
         if self.observer is not None:
             stats = replace(stats, **self.observer.end_step(stats))
         if self.steps == 0 and dist.get_rank(self.group) == 0:  # once, after the first step
-            claimed = self._claimed_by(step) | set(self.parts.holders)  # parts: from the graphs too
+            claimed = self.layout.claimed_by(step.graphs) | set(
+                self.parts.holders
+            )  # parts: from the graphs too
             report_uncompiled(step.order or (), claimed, self.params, log)
         self.last_step = stats
         self.steps += 1

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from .bucket import FlatBucket
 from .rows import ROWS_MIN_BYTES, RowBucket
 from .sparse import SparseBucket
+from .stats import StepStats
 
 __all__ = [
     "Bucket",
@@ -41,6 +42,19 @@ class OpenStep:
         # divide by them instead of the world size when divide_by_initial_world_size=False).
         self.join_work = None if divide_by_initial else join_work
         self.joining = join_work is not None  # inside a Join context
+
+    def stats(self, index: int, waited_s: float) -> StepStats:
+        """The figures of this step, the ``index``-th synchronized one, as it ends."""
+        order = self.order or []
+        return StepStats(
+            step=index,
+            fwd_bwd_ms=(time.perf_counter() - self.forward_at) * 1e3,
+            buckets=len(order),
+            bytes=sum(b.nbytes for b in order),
+            tail_bytes=sum(b.nbytes for b in order if b.tail),
+            wait_ms=waited_s * 1e3,
+            launch_ms=[(b.launched_at - self.started) * 1e3 for b in order],
+        )
 
 
 def claimed_by(graph_buckets: Mapping[int, Sequence[Sequence[str]]], graphs: Sequence[int]) -> set[str]:

@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, JoinHook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .._errors import ConfigError, UnsupportedModelError
-from .hooks import adopt_hook, builtin_hook
+from .._errors import UnsupportedModelError
+from .hooks import adopt_hook, builtin_hook, check_exclusive
 from .join import DistJoinHook
 
 __all__ = ["DDPAttributeError", "DDPSurface"]
@@ -51,11 +51,7 @@ class DDPSurface:
             >>> # model.register_comm_hook(state, powerSGD.powerSGD_hook)
         """
         comm_hook, compression = adopt_hook(hook, state, self._settings.group)
-        if comm_hook is not None and self.config.compression is not None:
-            raise ConfigError(
-                f"compression={self.config.compression!r} and communication hook {comm_hook.name!r} both decide "
-                "how gradients travel; wrap without compression= to use the hook."
-            )
+        check_exclusive(comm_hook, self.config.compression, fix="Wrap without compression= to use the hook.")
         self._reducer.set_comm_hook(comm_hook, compression or self.config.compression)
         name = comm_hook.name if comm_hook else f"fused all-reduce, compression={compression}"
         log.info("communication hook %s: from the next step", name)

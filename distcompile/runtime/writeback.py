@@ -18,81 +18,110 @@ import torch
 import torch.distributed as dist
 
 from .bucket import FlatBucket, comm_error, raise_if_nonfinite
+from .hooks import HookChain
+from .optim_in_backward import OptimizersInBackward
+from .parts import SharedParts
 from .schedule import Bucket, OpenStep
+from .stats import StepObserver
 
 __all__ = ["WriteBack"]
 
 
 class WriteBack:
-    """The write-back half of ``BucketReducer`` (a mixin; the reducer holds the state it reads:
-    ``comm_hook``, ``detect_nonfinite``, ``optimizers``, ``parts``, ``observer``, ``group``,
-    ``steps``, ``describe_peers`` and ``_waited_s``).
+    """Waits for a step's buckets and writes their gradients back (the reducer's second half).
+
+    Attributes:
+        waited_s: Host time blocked on communication since ``new_step``.
 
     Example:
-        >>> # BucketReducer(WriteBack): reducer._wait_and_write(step.order) at the end of backward
+        >>> # wb = WriteBack(parts=..., optimizers=..., hooks=..., group=None, observer=None,
+        >>> #                detect_nonfinite=False, describe_peers=lambda: "")
+        >>> # wb.wait_and_write(step.order, step_index)      # at the end of backward
     """
 
-    def _streaming(self) -> bool:
+    def __init__(
+        self,
+        *,
+        parts: SharedParts,
+        optimizers: OptimizersInBackward,
+        hooks: HookChain,
+        group: dist.ProcessGroup | None,
+        observer: StepObserver | None,
+        detect_nonfinite: bool,
+        describe_peers: Callable[[], str],
+    ) -> None:
+        self._parts, self._optimizers, self._hooks, self._group = parts, optimizers, hooks, group
+        self._observer, self._detect_nonfinite, self._describe_peers = (
+            observer,
+            detect_nonfinite,
+            describe_peers,
+        )
+        self.waited_s = 0.0
+
+    def new_step(self) -> None:
+        self.waited_s = 0.0
+
+    def streaming(self) -> bool:
         """Whether each bucket is written as it finishes (not under a hook: flags are reduced
         together; nor detect_nonfinite: all are checked before any step)."""
-        return self.comm_hook is None and not self.detect_nonfinite
+        return self._hooks.fused and not self._detect_nonfinite
 
-    def _write_finished(self, step: OpenStep) -> None:
+    def write_finished(self, step: OpenStep, index: int) -> None:
         """During backward: write (and step) the launched buckets whose all-reduce is done, in order."""
         while step.written < step.cursor:
             bucket = step.order[step.written]  # type: ignore[index]
             if not (isinstance(bucket, FlatBucket) and bucket.done()):
                 return
-            self._wait(bucket)
+            self._wait(bucket, index)
             self._write(bucket)
-            self.optimizers.step(bucket.params)
+            self._optimizers.step(bucket.params)
             step.written += 1
 
-    def _wait(self, bucket: Bucket) -> None:
+    def _wait(self, bucket: Bucket, index: int) -> None:
         try:
-            self._blocked(bucket.index, bucket.wait)
+            self.blocked(bucket.index, bucket.wait)
         except Exception as exc:
-            raise comm_error(bucket, self.steps, self.describe_peers, "waiting for", exc) from exc
+            raise comm_error(bucket, index, self._describe_peers, "waiting for", exc) from exc
 
     def _write(self, bucket: Bucket, used: torch.Tensor | None = None) -> None:
         if isinstance(bucket, FlatBucket):
             bucket.write(bucket.wire[bucket.numel :] if used is None else used)
         else:
             bucket.write()
-        self.parts.add_to(bucket)
+        self._parts.add_to(bucket)
 
-    def _blocked(self, index: int, wait: Callable[[], object]) -> None:
+    def blocked(self, index: int, wait: Callable[[], object]) -> None:
         """Run ``wait`` (blocks on bucket ``index``'s communication), timing the host's wait."""
         t0 = time.perf_counter()
         wait()
-        self._waited_s += (t1 := time.perf_counter()) - t0
-        if self.observer is not None:
-            self.observer.waited(index, t0, t1)
+        self.waited_s += (t1 := time.perf_counter()) - t0
+        if self._observer is not None:
+            self._observer.waited(index, t0, t1)
 
-    def _wait_and_write(self, order: list[Bucket], *, write: bool = True) -> None:
-        """Wait for every bucket in order and write its gradients, stepping any optimizer in
-        backward after each bucket while the later ones are still in flight. With a hook, the
-        used flags are reduced together once every hook is done (a hook may chain collectives);
-        with detect_nonfinite every bucket is checked before any optimizer steps."""
-        streaming = write and self._streaming()
+    def wait_and_write(self, order: list[Bucket], index: int, *, write: bool = True) -> None:
+        """Wait for every bucket of step ``index`` in order and write its gradients, stepping any
+        optimizer in backward after each bucket while the later ones are still in flight. With a
+        hook, the used flags are reduced together once every hook is done (a hook may chain
+        collectives); with detect_nonfinite every bucket is checked before any optimizer steps."""
+        streaming = write and self.streaming()
         for bucket in order:
-            self._wait(bucket)
+            self._wait(bucket, index)
             if streaming:
                 self._write(bucket)
-                self.optimizers.step(bucket.params)
+                self._optimizers.step(bucket.params)
         if streaming:
             return
-        hooked = [b for b in order if isinstance(b, FlatBucket) and self.comm_hook is not None]
+        hooked = [b for b in order if self._hooks.for_bucket(b) is not None]
         used: dict[int, torch.Tensor] = {}
         if hooked:
             flags = torch.cat([b.local_flags() for b in hooked])
-            dist.all_reduce(flags, group=self.group)
+            dist.all_reduce(flags, group=self._group)
             used = dict(zip((b.index for b in hooked), flags.split([len(b.params) for b in hooked])))
         if not write:
             return
         for bucket in order:
             self._write(bucket, used.get(bucket.index))
-        if self.detect_nonfinite:
-            raise_if_nonfinite(order, self.steps)
+        if self._detect_nonfinite:
+            raise_if_nonfinite(order, index)
         for bucket in order:
-            self.optimizers.step(bucket.params)
+            self._optimizers.step(bucket.params)

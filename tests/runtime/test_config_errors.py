@@ -118,6 +118,21 @@ def test_a_misplaced_or_misspelt_option_names_where_it_goes(single_rank_group, o
         distcompile.wrap(nn.Linear(2, 2), **options)
 
 
+def test_a_hook_and_compression_are_refused_together_however_they_meet(single_rank_group) -> None:
+    def my_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks the annotations: none here
+        return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
+    ddp = DDP(nn.Linear(2, 2))
+    ddp.register_comm_hook(None, my_hook)
+    with pytest.raises(
+        ConfigError, match="compression='bf16' and communication hook .*my_hook.* Drop compression="
+    ):
+        distcompile.wrap(ddp, compression="bf16", backend="eager")
+    model = distcompile.wrap(DDP(nn.Linear(2, 2)), compression="bf16", backend="eager")
+    with pytest.raises(ConfigError, match="both decide how gradients travel. Wrap without compression="):
+        model.register_comm_hook(None, my_hook)
+
+
 def test_cudagraphs_on_cpu(single_rank_group) -> None:
     with pytest.raises(ConfigError, match="cudagraphs=True needs a model on CUDA.*cpu"):
         distcompile.wrap(DDP(nn.Linear(2, 2)), cudagraphs=True)
