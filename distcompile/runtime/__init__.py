@@ -14,10 +14,13 @@ May import ``compile``, ``capture``, ``planning`` and the leaves. It never impor
 - ``rows.py``: an embedding table reduced by the rows looked up.
 - ``sparse.py``: sparse gradients, reduced apart.
 - ``parts.py``: the parts of shared parameters, on the reducer's side.
-- ``writeback.py``: reduced gradients written back, in launch order.
+- ``writeback.py``: reduced gradients waited for and written back, in launch order (an object
+  the reducer holds).
 - ``graph_memory.py``: no ``.grad`` left in CUDA-graph memory.
-- ``hooks.py``: DDP communication hooks on distcompile's buckets.
-- ``join.py``: uneven inputs, a joined rank shadowing the others' collectives.
+- ``hooks.py``: DDP communication hooks on distcompile's buckets, the reducer's hook chain
+  (one bucket's hook at a time) and the hook-versus-compression rule.
+- ``join.py``: uneven inputs, a joined rank shadowing the others' collectives (``JoinState``:
+  the ranks still training, the last step's buckets).
 - ``optim_in_backward.py``: optimizers stepped inside backward.
 - ``attached_optimizer.py``: a user's optimizer stepped bucket by bucket, under communication.
 - ``stats.py``: what the reducer reports about a step, and to whom.
