@@ -35,16 +35,23 @@ def _bench(tmp_path: Path, *args: str, timeout: float = 2300) -> subprocess.Comp
 def test_benchmark_end_to_end_on_loopback(tmp_path: Path) -> None:
     # What users compare, and one distcompile variant of each kind (the rest are options of these).
     names = "ddp,ddp_fp16,compile_ddpopt,regional,dc_inductor,dc_inductor_bf16,dc_auto,dc_auto_optim"
-    proc = _bench(tmp_path, "--small", "--rounds", "1", "--block", "2", "--warmup", "1", "--variants", names)
+    # The first steps (each variant alone, cold then warm: two more jobs a variant) of one variant.
+    proc = _bench(
+        tmp_path, "--small", "--rounds", "1", "--block", "2", "--warmup", "1", "--variants", names,
+        "--first-steps-of", "dc_inductor",
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (js,) = tmp_path.glob("*-overlap-loopback-small.json")
     res = json.loads(js.read_text())
     assert list(res["variants"]) == names.split(",") and set(names.split(",")) <= set(CPU_DEFAULT)
     for name, r in res["variants"].items():
         assert "error" not in r, (name, r)
-        assert r["steps"] == 2 and r["median_ms"] > 0 and r["warm_first_step_s"] > 0, (name, r)
-        assert r["peak_rss_mb"] > 100, (name, r)  # torch alone is more: a real measurement
-        assert r["cold_first_step_s"] > 0, (name, r)
+        assert r["steps"] == 2 and r["median_ms"] > 0, (name, r)
+        alone = name == "dc_inductor"
+        assert (r.get("warm_first_step_s", 0) > 0) == alone and (
+            r.get("cold_first_step_s", 0) > 0
+        ) == alone, r
+        assert (r.get("peak_rss_mb", 0) > 100) == alone, (name, r)  # torch alone is more: a real measurement
     assert res["floor"]["floor_ms"] > 0 and res["meta"]["link"] == "loopback"
     assert res["floor"]["cpu_floor_ms"] >= res["floor"]["floor_ms"]
     assert all(p.startswith("measured costs") for p in res["variants"]["dc_auto"]["plan"]["planned_by"])

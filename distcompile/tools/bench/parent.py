@@ -244,6 +244,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the cold and warm first steps and peak RSS (each variant alone, in new processes)",
     )
+    p.add_argument(
+        "--first-steps-of", default=None, help="measure first steps of these variants only (comma list)"
+    )
     _add_modes(p)
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument(
@@ -381,9 +384,14 @@ def main(argv: list[str] | None = None) -> int:
         _launch(args, common, net, cache, out)
         with open(out) as f:
             res = json.load(f)
-        for k, name in enumerate([] if args.no_first_steps else names):
+        alone = (
+            names
+            if args.first_steps_of is None
+            else [n for n in names if n in args.first_steps_of.split(",")]
+        )
+        for k, name in enumerate([] if args.no_first_steps else alone):
             print(
-                f"[bench] first steps of {name} alone ({k + 1}/{len(names)}): empty compile cache, then the "
+                f"[bench] first steps of {name} alone ({k + 1}/{len(alone)}): empty compile cache, then the "
                 "cache it filled",
                 flush=True,
             )
