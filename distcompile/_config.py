@@ -78,18 +78,19 @@ class Config:
         raise AttributeError(f"Config is immutable: use config.replace({name}=...)")
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Config) and self._groups() == other._groups()
+        return isinstance(other, Config) and self.as_groups() == other.as_groups()
 
     def __hash__(self) -> int:
-        return hash(self._groups())
+        return hash(self.as_groups())
 
     def __repr__(self) -> str:
-        return f"Config({', '.join(f'{g}={v!r}' for g, v in zip(GROUPS, self._groups()))})"
+        return f"Config({', '.join(f'{g}={v!r}' for g, v in zip(GROUPS, self.as_groups()))})"
 
     def __reduce__(self) -> tuple:
-        return (_rebuild, (dict(zip(GROUPS, self._groups())),))
+        return (_rebuild, (dict(zip(GROUPS, self.as_groups())),))
 
-    def _groups(self) -> tuple:
+    def as_groups(self) -> tuple:
+        """The four groups, in ``GROUPS`` order."""
         return tuple(object.__getattribute__(self, g) for g in GROUPS)
 
     def replace(self, **changes: object) -> Config:
@@ -99,7 +100,7 @@ class Config:
             >>> Config().replace(backend="aot_eager").backend
             'aot_eager'
         """
-        return Config(**{**dict(zip(GROUPS, self._groups())), **changes})
+        return Config(**{**dict(zip(GROUPS, self.as_groups())), **changes})
 
 
 def _rebuild(groups: dict) -> Config:

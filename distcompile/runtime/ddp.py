@@ -103,7 +103,10 @@ def adopt(model: nn.Module, cfg: Config) -> tuple[nn.Module, Settings]:
     )
     broadcast_buffers, grad_as_view, (comm_hook, compression) = fields.pop("inherited")
     check_exclusive(
-        comm_hook, cfg.compression, fix="Drop compression= (the hook's own compression applies) or the hook."
+        comm_hook,
+        cfg.compression,
+        fix="Drop compression= (the hook's own compression applies) or the hook.",
+        whose="the DDP model's ",
     )
     group = fields["group"]
     params = list(inner.parameters())

@@ -151,16 +151,17 @@ def builtin_hook(name: str) -> str | None:
     return _BUILTIN[name]
 
 
-def check_exclusive(hook: CommHook | None, compression: str | None, *, fix: str) -> None:
+def check_exclusive(hook: CommHook | None, compression: str | None, *, fix: str, whose: str = "") -> None:
     """The hook rule: a communication hook and ``compression=`` both decide how gradients
-    travel, so they do not go together (``ConfigError`` ending with ``fix``).
+    travel, so they do not go together (``ConfigError`` ending with ``fix``; ``whose`` before
+    "communication hook", e.g. "the DDP model's ").
 
     Example:
         >>> check_exclusive(None, "bf16", fix="")  # the fused path compresses: fine
     """
     if hook is not None and compression is not None:
         raise ConfigError(
-            f"compression={compression!r} and communication hook {hook.name!r} both decide how gradients "
+            f"compression={compression!r} and {whose}communication hook {hook.name!r} both decide how gradients "
             f"travel. {fix}"
         )
 
