@@ -101,6 +101,7 @@ def test_peers_are_the_ranks_that_see_one_cache_folder() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 41 s: in the long set, so that the README command stays under 8 minutes
 def test_ranks_compile_their_share_and_load_the_rest() -> None:
     """2 ranks, one empty cache: each piece is compiled once in all; parity with eager DDP holds.
 
@@ -145,6 +146,7 @@ def _loads_apart() -> bool:  # torch 2.13 on: each library is loaded by VecISA._
 @pytest.mark.skipif(
     not _loads_apart(), reason="this torch (2.11) loads each check library inline, every time"
 )
+@pytest.mark.long  # 35 s: in the long set, so that the README command stays under 8 minutes
 def test_a_warm_start_loads_none_of_the_cpu_check_libraries_again(tmp_path: pathlib.Path) -> None:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
 

@@ -119,7 +119,9 @@ def _pieces_line(result: dict) -> str:
 
 # A GPT (several distinct pieces, split between the ranks) and a graph of one piece (one
 # rank compiles it whole, the other loads it).
-MODELS = ["gpt", pytest.param("one_piece", marks=pytest.mark.long)]
+# Both in the long set (the README command stays under 8 minutes; tests/compile/test_tree.py keeps
+# compiles between folders in it).
+MODELS = [pytest.param("gpt", marks=pytest.mark.long), pytest.param("one_piece", marks=pytest.mark.long)]
 
 
 @pytest.mark.slow

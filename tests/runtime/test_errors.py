@@ -96,6 +96,7 @@ def test_destroyed_process_group() -> None:
         assert "process group is no longer usable" in msg, msg
 
 
+@pytest.mark.long  # 48 s: in the long set, so that the README command stays under 8 minutes
 def test_a_backward_inductor_cannot_compile_raises_a_compile_error_in_backward() -> None:
     """Inductor compiles each backward lazily, inside the user's backward(): its failure must
     still come as distcompile's CompileError with the next step down the ladder."""
