@@ -73,7 +73,9 @@ def test_two_folders_of_two_fetch_once_per_folder() -> None:
         for x in lines
     ]
     assert through[0] > 0 and through[2] > 0 and through[1] == 0 and through[3] == 0, lines
-    store_kb = [_kb(re.search(r"control plane: \d+ store ops, ([\d.]+ [kM]?B) on this rank", x)) for x in lines]
+    store_kb = [
+        _kb(re.search(r"control plane: \d+ store ops, ([\d.]+ [kM]?B) on this rank", x)) for x in lines
+    ]
     # The pieces' bytes skipped the store: what a rank moved through it (marks, and the few
     # libraries of Inductor's CPU checks shared at a cold start) is well under what came by tree.
     assert max(store_kb) < 0.5 * through[0] * 1000, (store_kb, lines)

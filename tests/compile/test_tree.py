@@ -37,7 +37,9 @@ def test_a_tree_among_some_ranks_carries_each_leaders_bytes_to_the_others() -> N
         assert results[r]["empty"] == b""
     for root in (0, 2, 4):  # 3 leaders: 2 rounds; the root sends in both, one relay once at most
         assert results[root]["sent"][root] == 2 * (1000 + root)
-        assert sum(results[r]["sent"][root] for r in (0, 2, 4)) == 2 * (1000 + root)  # each leader gets it once
+        assert sum(results[r]["sent"][root] for r in (0, 2, 4)) == 2 * (
+            1000 + root
+        )  # each leader gets it once
 
 
 def test_a_leader_lost_inside_the_tree_costs_a_compile_here_not_a_hang() -> None:

@@ -125,7 +125,8 @@ def test_a_hook_and_compression_are_refused_together_however_they_meet(single_ra
     ddp = DDP(nn.Linear(2, 2))
     ddp.register_comm_hook(None, my_hook)
     with pytest.raises(
-        ConfigError, match="compression=.bf16. and the DDP model.s communication hook .*my_hook.* Drop compression="
+        ConfigError,
+        match="compression=.bf16. and the DDP model.s communication hook .*my_hook.* Drop compression=",
     ):
         distcompile.wrap(ddp, compression="bf16", backend="eager")
     model = distcompile.wrap(DDP(nn.Linear(2, 2)), compression="bf16", backend="eager")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests import verify_workers, workers
 from tests.harness import run_ranks
 
