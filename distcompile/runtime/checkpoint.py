@@ -14,6 +14,7 @@ nodes finds its compiled pieces in the cache.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
@@ -124,6 +125,11 @@ def save_checkpoint(
         os.remove(old)
         if os.path.exists(_artifacts_path(old)):
             os.remove(_artifacts_path(old))
+    # A writer killed mid-write left its temporary file; only rank 0 writes, one checkpoint
+    # at a time, so any temporary file left now is such a one.
+    for stale in glob.glob(os.path.join(directory, "step-*.tmp-*")):
+        with contextlib.suppress(OSError):
+            os.remove(stale)
     log.info("checkpoint written: %s", path)
     _events.emit("checkpoint", step=step, path=path)
     return path

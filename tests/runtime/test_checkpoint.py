@@ -69,6 +69,10 @@ def test_sigkill_mid_write_keeps_previous_checkpoint(tmp_path: Path) -> None:
     assert distcompile.latest_checkpoint(str(tmp_path)).endswith("step-00000001.pt")
     state = distcompile.load_checkpoint(str(tmp_path), model=nn.Linear(2, 2))
     assert state["step"] == 1
+    # The next checkpoint written removes the half-written one the kill left.
+    assert any(".tmp-" in p.name for p in tmp_path.iterdir())
+    distcompile.save_checkpoint(str(tmp_path), model=nn.Linear(2, 2), optimizer=None, step=3)
+    assert not any(".tmp-" in p.name for p in tmp_path.iterdir()), sorted(tmp_path.iterdir())
 
 
 class _Wrapped(nn.Module):
