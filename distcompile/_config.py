@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ._errors import ConfigError
 from ._options import (
     BACKENDS,
@@ -108,6 +110,4 @@ def _rebuild(groups: dict) -> Config:
 
 
 def _all_options() -> set[str]:
-    import dataclasses
-
     return {f.name for cls in GROUPS.values() for f in dataclasses.fields(cls)}

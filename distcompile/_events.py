@@ -129,10 +129,10 @@ def summary(paths: Iterable[str]) -> str:
     for i, evs in enumerate(lives):
         world = next((e.get("world") for e in evs if e["kind"] == "start"), "?")
         resumed = next((e for e in evs if e["kind"] == "resumed"), None)
-        steps = [e for e in evs if e["kind"] == "step"]
+        steps = max((int(e.get("n", 0)) for e in evs if e["kind"] == "step"), default=0)
         errors = [e for e in evs if e["kind"] == "error"]
         start = f"resumed from {resumed['path']}" if resumed else "started fresh"
-        lines.append(f"  life {i + 1}: {world} ranks, {start}, {len(steps)} steps seen")
+        lines.append(f"  life {i + 1}: {world} ranks, {start}, {steps} steps seen")
         for e in errors[:3]:
             lines.append(f"    rank {e.get('rank')}: {e.get('error')}: {e.get('message', '')[:300]}")
         if not errors and i + 1 < len(lives):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = ["Life", "Monitor"]
@@ -106,12 +107,12 @@ class Monitor:
         life = self.current()
         return life.steps[-1] if life and life.steps else None
 
-    def wait(self, done: object, timeout_s: float, poll_s: float = 0.05) -> bool:
+    def wait(self, done: Callable[[], object], timeout_s: float, poll_s: float = 0.05) -> bool:
         """Poll until ``done()`` is true (True) or ``timeout_s`` passed (False)."""
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             self.poll()
-            if done():  # type: ignore[operator]
+            if done():
                 return True
             time.sleep(poll_s)
         return False
