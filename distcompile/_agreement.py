@@ -12,6 +12,9 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import os
+import socket
+import struct
 import time
 
 import torch.distributed as dist
@@ -25,8 +28,11 @@ __all__ = [
     "compile_together",
     "default_store",
     "failed_ranks",
+    "host_addresses",
     "layouts_agree",
+    "mark_address",
     "mark_failed",
+    "ranks_at",
 ]
 
 log = logging.getLogger(__name__)
@@ -225,3 +231,69 @@ def failed_ranks(store: dist.Store, prefix: str, ranks: list[int]) -> dict[int, 
     except Exception:  # noqa: BLE001 - a store that is down cannot tell us more
         pass
     return out
+
+
+# Note [Naming the peer behind an address]: gloo's error for a dead or silent peer gives the
+# peer's address ("[10.0.0.2]:53634"), not its rank. Each rank appends itself under every
+# IPv4 address its node may be reached at, at wrap (one ``append`` per address), and a rank
+# whose all-reduce failed reads the one key of that address (one ``get``, on the error path
+# alone). Loopback addresses are keyed by host name too: every node has 127.0.0.1.
+
+
+def _address_key(prefix: str, ip: str) -> str:
+    local = ip.startswith("127.") or ip == "::1"
+    return f"{prefix}/at/{socket.gethostname()}/{ip}" if local else f"{prefix}/at/{ip}"
+
+
+def host_addresses() -> list[str]:
+    """The IPv4 addresses of this host's interfaces that gloo may use (``GLOO_SOCKET_IFNAME``'s
+    if set), or of its host name where interfaces cannot be listed.
+
+    Example:
+        >>> "127.0.0.1" in host_addresses() or not host_addresses()
+        True
+    """
+    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+    out: list[str] = []
+    try:
+        import fcntl  # POSIX only
+
+        names = names or [name for _, name in socket.if_nameindex()]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for name in names:
+                try:  # SIOCGIFADDR: the interface's IPv4 address
+                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+                except OSError:  # no IPv4 address on this interface
+                    continue
+                out.append(socket.inet_ntoa(packed[20:24]))
+    except (ImportError, OSError):
+        try:
+            out = [a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
+        except OSError:
+            out = []
+    return list(dict.fromkeys(out))
+
+
+def mark_address(store: dist.Store, prefix: str, rank: int) -> None:
+    """Record ``rank`` under each address of this host (Note [Naming the peer behind an
+    address]): one ``append`` per address. Never raises."""
+    try:
+        s = counted(store, "failure")
+        for ip in host_addresses():
+            s.append(_address_key(prefix, ip), f"{rank};")
+    except Exception:  # noqa: BLE001 - naming peers in errors is a courtesy, not a requirement
+        log.debug("could not record the addresses of rank %d in the store", rank)
+
+
+def ranks_at(store: dist.Store, prefix: str, address: str) -> list[int]:
+    """The ranks that recorded ``address`` (an IP, or gloo's ``[IP]:port``) with
+    :func:`mark_address`: one ``check`` and one ``get``; empty if none or the store is gone."""
+    ip = address.rpartition("]")[0].lstrip("[") if address.startswith("[") else address
+    key = _address_key(prefix, ip)
+    try:
+        s = counted(store, "failure")
+        if not s.check([key]):
+            return []
+        return sorted({int(r) for r in s.get(key).decode().split(";") if r})
+    except Exception:  # noqa: BLE001 - a store that is down cannot tell us more
+        return []

@@ -14,7 +14,16 @@ import pytest
 import torch.distributed as dist
 
 from distcompile import DesyncError
-from distcompile._agreement import check_agreement, compile_together, failed_ranks, layouts_agree, mark_failed
+from distcompile._agreement import (
+    check_agreement,
+    compile_together,
+    failed_ranks,
+    host_addresses,
+    layouts_agree,
+    mark_address,
+    mark_failed,
+    ranks_at,
+)
 from distcompile._store import StoreTimeout, agree, barrier, counted, gather_small
 
 
@@ -160,3 +169,18 @@ def test_gather_barrier_and_failure_marks() -> None:
         assert folders == {r: str(r // 4) for r in range(n)}
         assert failed == {3: "rank 3 raised", 9: "rank 9 raised"}
     assert max(ops) <= 16, ops  # gather 4 + barrier 2 + a mark 3 + reading the marks 4
+
+
+def test_the_ranks_behind_a_peer_address_are_named() -> None:
+    n = 8
+    addresses = host_addresses()
+    assert "127.0.0.1" in addresses, addresses  # every Linux host has its loopback
+
+    def fn(s: object, r: int) -> object:
+        mark_address(s, "job", r)
+        barrier(counted(s, "t"), "b", ranks=list(range(n)), timeout_s=30)
+        return ranks_at(s, "job", "[127.0.0.1]:53634"), ranks_at(s, "job", "[192.0.2.1]:1")
+
+    out, ops = _ranks(n, fn)
+    assert out == [(list(range(n)), [])] * n, out  # every rank is on this host; nobody at TEST-NET-1
+    assert max(ops) <= len(addresses) + 2 + 3, ops  # an append per address, the barrier, check+get+check

@@ -25,6 +25,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,16 @@ from .._errors import CommunicationError, NonFiniteGradientError, UnsupportedMod
 from .graph_memory import is_owned, own
 from .hooks import CommHook
 
-__all__ = ["WIRE_DTYPES", "FlatBucket", "OneParamBucket", "comm_error", "raise_if_nonfinite"]
+__all__ = [
+    "WIRE_DTYPES",
+    "FlatBucket",
+    "OneParamBucket",
+    "NO_PEERS",
+    "Peers",
+    "comm_error",
+    "raise_if_nonfinite",
+    "what_happened",
+]
 #: The dtype on the wire for each ``compression`` (``None``: the gradients' own).
 WIRE_DTYPES = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -298,24 +308,49 @@ _CAUSES = (
 )  # fmt: skip
 
 
-def what_happened(exc: BaseException) -> str:
-    """A peer died, stalled, or the link timed out: what ``exc`` from a collective says, in words.
+def what_happened(exc: BaseException, ranks_at: Callable[[str], list[int]] = lambda address: []) -> str:
+    """A peer died, stalled, or the link timed out: what ``exc`` from a collective says, in words,
+    with the ranks behind the peer's address where ``ranks_at`` knows them.
 
     Example:
-        >>> what_happened(RuntimeError("[pair.cc:534] Read error [10.0.0.2]:4242: Connection reset by peer"))
-        'a peer died (its process exited or was killed, or its node or link went down) [10.0.0.2]:4242'
+        >>> what_happened(RuntimeError("[pair.cc:534] Read error [10.0.0.2]:4242: Connection reset by peer"),
+        ...               lambda address: [2, 3])
+        'a peer died (its process exited or was killed, or its node or link went down) at [10.0.0.2]:4242 (ranks 2, 3)'
     """
     text = " ".join(str(exc).split())
     where = re.search(r"\[[0-9a-fA-F.:]+\]:\d+", text)
     for pattern, words in _CAUSES:
         if re.search(pattern, text, re.IGNORECASE):
-            return words + (f" {where.group(0)}" if where else "")
+            if where is None:
+                return words
+            ranks = ranks_at(where.group(0))
+            named = (
+                f" ({'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))})" if ranks else ""
+            )
+            return f"{words} at {where.group(0)}{named}"
     return "the collective failed"
 
 
-def comm_error(
-    bucket: object, step: int, peers: Callable[[], str], doing: str, exc: Exception
-) -> CommunicationError:
+@dataclass(frozen=True)
+class Peers:
+    """What a rank can learn of its peers when a collective fails: ``describe()`` what the other
+    ranks recorded, and ``at(address)``, the other ranks behind a peer's address (Note [Naming
+    the peer behind an address] in ``_agreement.py``).
+
+    Example:
+        >>> Peers(describe=lambda: "rank 1 raised first: ...").at("[10.0.0.2]:4242")
+        []
+    """
+
+    describe: Callable[[], str] = lambda: ""
+    at: Callable[[str], list[int]] = lambda address: []
+
+
+#: Knows nothing of the peers (a reducer used on its own, as in the tests).
+NO_PEERS = Peers()
+
+
+def comm_error(bucket: object, step: int, peers: Peers, doing: str, exc: Exception) -> CommunicationError:
     """The error for a failed all-reduce of ``bucket`` in ``step``, with what is known of the peers.
 
     Also logs its first line at once (before Python's traceback reaches the console) and
@@ -323,14 +358,16 @@ def comm_error(
 
     Example:
         >>> b = type("B", (), {"index": 1, "nbytes": 8, "params": [None]})()
-        >>> str(comm_error(b, 3, lambda: "", "waiting for", RuntimeError("gone")))[:61]
+        >>> str(comm_error(b, 3, Peers(), "waiting for", RuntimeError("gone")))[:61]
         'rank 0: step 3, bucket 1: the collective failed while waiting'
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     head = (
-        f"rank {rank}: step {step}, bucket {bucket.index}: {what_happened(exc)} while {doing} its "  # type: ignore[attr-defined]
-        f"all-reduce ({bucket.nbytes} bytes, {len(bucket.params)} parameters)"  # type: ignore[attr-defined]
+        f"rank {rank}: step {step}, bucket {bucket.index}: {what_happened(exc, peers.at)} while {doing} "  # type: ignore[attr-defined]
+        f"its all-reduce ({bucket.nbytes} bytes, {len(bucket.params)} parameters)"  # type: ignore[attr-defined]
     )
     logging.getLogger("distcompile").error("%s", head)
     _events.emit("error", error="CommunicationError", message=head)
-    return CommunicationError(f"{head}. {type(exc).__name__}: {' '.join(str(exc).split())[:500]}. {peers()}")
+    return CommunicationError(
+        f"{head}. {type(exc).__name__}: {' '.join(str(exc).split())[:500]}. {peers.describe()}"
+    )

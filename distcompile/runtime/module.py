@@ -14,13 +14,14 @@ from torch.distributed.algorithms.join import Joinable
 
 from .. import _events
 from .. import _torch_compat as compat
-from .._agreement import default_store, failed_ranks, layouts_agree, mark_failed
+from .._agreement import default_store, failed_ranks, layouts_agree, mark_address, mark_failed, ranks_at
 from .._config import Config
 from .._errors import DistCompileError, UnsupportedModelError
 from ..capture.regions import RegionNotInlined, mark_repeated_blocks, region_failure_reason
 from ..compile.backend import CompileObserver, CompileTarget, GraphCompiler
 from ..compile.record import GraphRecord
 from . import shutdown
+from .bucket import Peers
 from .collectives import broadcast_coalesced
 from .ddp import Settings
 from .forward_check import ForwardCheck
@@ -107,6 +108,7 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
         self._store_prefix = settings.store_root
         self._rank = dist.get_rank()
         self._ranks = list(settings.ranks)
+        mark_address(default_store(), self._store_prefix, self._rank)
         params = {n: p for n, p in module.named_parameters() if p.requires_grad and n not in settings.ignored}
         self._buffers_list = [b for n, b in module.named_buffers() if n not in settings.ignored]
         self._reducer = BucketReducer(
@@ -117,7 +119,7 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
             grad_as_view=settings.grad_as_view,
             observer=observer,
             detect_nonfinite=config.detect_nonfinite,
-            describe_peers=self._describe_peers,
+            peers=Peers(describe=self._describe_peers, at=self._ranks_at),
             sparse=sparse_params(module),
             comm_hook=settings.comm_hook,
             bucket_caps=(settings.bucket_cap, settings.first_bucket_cap),
@@ -333,6 +335,9 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
                 "docs/integrations.md)."
             )
         self._outer_checked = torch.is_grad_enabled()
+
+    def _ranks_at(self, address: str) -> list[int]:
+        return [r for r in ranks_at(default_store(), self._store_prefix, address) if r != self._rank]
 
     def _describe_peers(self) -> str:
         others = [r for r in self._ranks if r != self._rank]

@@ -48,7 +48,7 @@ from .. import _torch_compat as compat
 from .._errors import DistCompileError
 from ..planning.plan import Plan
 from ..planning.split import SplitPlan
-from .bucket import comm_error
+from .bucket import NO_PEERS, Peers, comm_error
 from .graph_memory import take_ownership
 from .hooks import CommHook, HookChain
 from .join import JoinState
@@ -81,7 +81,7 @@ class BucketReducer:
         compress_tail_only: bool = False,
         observer: StepObserver | None = None,
         detect_nonfinite: bool = False,
-        describe_peers: Callable[[], str] = lambda: "",
+        peers: Peers = NO_PEERS,
         sparse: set[int] = frozenset(),  # type: ignore[assignment]
         comm_hook: CommHook | None = None,
         bucket_caps: tuple[int, int] = (25 << 20, 1 << 20),
@@ -99,10 +99,10 @@ class BucketReducer:
         self.join = JoinState(dist.get_world_size(group))
         self.optimizers = OptimizersInBackward(self.params)
         self.observer = observer
-        self.describe_peers = describe_peers
+        self.peers = peers
         self.writeback = WriteBack(
             parts=self.parts, optimizers=self.optimizers, hooks=self.hooks, group=group, observer=observer,
-            detect_nonfinite=detect_nonfinite, describe_peers=describe_peers,
+            detect_nonfinite=detect_nonfinite, peers=peers,
         )  # fmt: skip
         self.steps = 0
         self._step_events = _events.enabled(first_of_node=True)
@@ -247,7 +247,7 @@ class BucketReducer:
         except DistCompileError:
             raise
         except Exception as exc:
-            raise comm_error(bucket, self.steps, self.describe_peers, "launching", exc) from exc
+            raise comm_error(bucket, self.steps, self.peers, "launching", exc) from exc
 
     def shadow_step(self) -> None:
         """The collectives of one synchronized step with zero gradients, for a rank that joined

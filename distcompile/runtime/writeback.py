@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .bucket import FlatBucket, comm_error, raise_if_nonfinite
+from .bucket import FlatBucket, Peers, comm_error, raise_if_nonfinite
 from .hooks import HookChain
 from .optim_in_backward import OptimizersInBackward
 from .parts import SharedParts
@@ -35,7 +35,7 @@ class WriteBack:
 
     Example:
         >>> # wb = WriteBack(parts=..., optimizers=..., hooks=..., group=None, observer=None,
-        >>> #                detect_nonfinite=False, describe_peers=lambda: "")
+        >>> #                detect_nonfinite=False, peers=Peers())
         >>> # wb.wait_and_write(step.order, step_index)      # at the end of backward
     """
 
@@ -48,13 +48,13 @@ class WriteBack:
         group: dist.ProcessGroup | None,
         observer: StepObserver | None,
         detect_nonfinite: bool,
-        describe_peers: Callable[[], str],
+        peers: Peers,
     ) -> None:
         self._parts, self._optimizers, self._hooks, self._group = parts, optimizers, hooks, group
-        self._observer, self._detect_nonfinite, self._describe_peers = (
+        self._observer, self._detect_nonfinite, self._peers = (
             observer,
             detect_nonfinite,
-            describe_peers,
+            peers,
         )
         self.waited_s = 0.0
 
@@ -81,7 +81,7 @@ class WriteBack:
         try:
             self.blocked(bucket.index, bucket.wait)
         except Exception as exc:
-            raise comm_error(bucket, index, self._describe_peers, "waiting for", exc) from exc
+            raise comm_error(bucket, index, self._peers, "waiting for", exc) from exc
 
     def _write(self, bucket: Bucket, used: torch.Tensor | None = None) -> None:
         if isinstance(bucket, FlatBucket):

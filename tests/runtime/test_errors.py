@@ -71,6 +71,7 @@ def test_killed_peer_gives_an_error_not_a_hang() -> None:
     assert "No other rank recorded an error" in msg and "bucket" in msg, msg
     assert msg.split("s ", 1)[1].startswith("rank 0: step 2, bucket "), msg  # where, first
     assert "a peer died" in msg, msg  # what happened, in words
+    assert "(rank 1) while" in msg, msg  # and who: the rank behind gloo's peer address
     assert "ran out of data" in msg and "model.join()" in msg, msg  # uneven inputs: Join is the fix
     assert float(msg.split("s ", 1)[0]) < 60, msg
 
