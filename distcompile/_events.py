@@ -11,7 +11,7 @@ each node only), the first error a rank raised (``error``) and ``close``. Writes
 file; a write that fails is dropped (the log never stops training).
 
 ``summary(paths)`` turns the log into the few lines the launchers print at the end of a job
-(``python -m distcompile._events FILE ...``): how many times the job was restarted, why,
+(``distcompile events FILE ...``): how many times the job was restarted, why,
 where each life resumed and how far the job got.
 """
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import time
 from collections.abc import Iterable
 
@@ -143,7 +142,3 @@ def summary(paths: Iterable[str]) -> str:
         f"from {len(lives) - 1} failure(s); the last life {ended}"
     )
     return "\n".join([head, *lines])
-
-
-if __name__ == "__main__":
-    print(summary(sys.argv[1:]))

@@ -13,16 +13,8 @@
 # torchrun cannot tell from its hostname).
 # On CPU, set GLOO_SOCKET_IFNAME to the interface the nodes talk over.
 set -euo pipefail
-# Restarted ranks must not share the previous attempt's rendezvous store, or they can
-# read stale addresses and fail to connect (pytorch#135712).
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
-# distcompile's event log: the summary at the end says how many failures the job recovered
-# from and why. A DISTCOMPILE_EVENTS you set is kept; the default file is removed after it.
-events_default=""
-if [[ -z "${DISTCOMPILE_EVENTS:-}" ]]; then
-  events_default=$(mktemp "${TMPDIR:-/tmp}/distcompile-events.XXXXXX")
-  export DISTCOMPILE_EVENTS="$events_default"
-fi
+# The store setting, the event log and its summary, signals: launchers/torchrun.bash.
+source "$(dirname "${BASH_SOURCE[0]}")/torchrun.bash"
 if [[ $# -lt 1 || -z "${RDZV_ENDPOINT:-}" ]]; then
   sed -n '2,15p' "$0" >&2
   exit 2
@@ -41,8 +33,4 @@ fi
 if [[ -n "${LOCAL_ADDR:-}" ]]; then
   args+=(--local-addr "$LOCAL_ADDR")
 fi
-status=0
-python -m torch.distributed.run "${args[@]}" "$@" || status=$?
-python -m distcompile._events "$DISTCOMPILE_EVENTS" >&2 || true
-[[ -z "$events_default" ]] || rm -f "$events_default"
-exit "$status"
+run_torchrun "${args[@]}" "$@"

@@ -93,6 +93,34 @@ def _workers_of(launcher_pid: int) -> dict[int, int]:
     return found
 
 
+@pytest.mark.long  # a torchrun job stopped early: a launcher behaviour, in the long set
+def test_sigterm_to_the_launcher_alone_stops_the_job(tmp_path: Path) -> None:
+    # A supervisor that signals the launcher's pid (not its process group) must stop the
+    # workers too: the launcher forwards the signal to torchrun (launchers/torchrun.bash).
+    proc = subprocess.Popen(
+        [str(ROOT / "launchers" / "local.sh"), *TRAIN, "--steps", "100000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(NPROC="2"),
+        cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers := _workers_of(proc.pid)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "no workers started"
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, out + err  # stopped, not finished
+    assert "distcompile: " in err, err  # the event log's summary, whatever the workers reached
+    left = [pid for pid in workers.values() if Path(f"/proc/{pid}").exists()]
+    assert not left, f"workers {left} still running after the launcher exited"
+
+
 @pytest.mark.long  # three torchrun jobs of 60 steps: an end-to-end run, in the long set
 def test_elastic_restart_after_sigkill_resumes_without_loss(tmp_path: Path) -> None:
     steps = ["--steps", "60", "--ckpt-every", "5"]
