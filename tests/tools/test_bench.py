@@ -101,8 +101,8 @@ def test_cuda_mode_without_a_gpu_is_refused_with_the_fix(tmp_path: Path) -> None
 
 @pytest.mark.long
 def test_compile_scaling_mode_writes_table_and_json(tmp_path: Path) -> None:
-    # distcompile alone (the regional rows run the same job code; the ratio column is the
-    # table's doctest): its cold, warm and recompile first steps at two depths.
+    # distcompile's rows alone (regional trains in the end-to-end test above; the ratio column
+    # is the table's doctest): its cold, warm and recompile first steps at two depths.
     proc = _bench(tmp_path, "--compile-scaling", "--small", "--depths", "2,4", "--variants", "dc_inductor")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (js,) = tmp_path.glob("*-compile-scaling-small.json")
