@@ -285,8 +285,8 @@ def mark_address(store: dist.Store, prefix: str, rank: int) -> None:
         log.debug("could not record the addresses of rank %d in the store", rank)
 
 
-def ranks_at(store: dist.Store, prefix: str, address: str) -> list[int]:
-    """The ranks that recorded ``address`` (an IP, or gloo's ``[IP]:port``) with
+def ranks_at(store: dist.Store, prefix: str, address: str, besides: int = -1) -> list[int]:
+    """The ranks but ``besides`` that recorded ``address`` (an IP, or gloo's ``[IP]:port``) with
     :func:`mark_address`: one ``check`` and one ``get``; empty if none or the store is gone."""
     ip = address.rpartition("]")[0].lstrip("[") if address.startswith("[") else address
     key = _address_key(prefix, ip)
@@ -294,6 +294,6 @@ def ranks_at(store: dist.Store, prefix: str, address: str) -> list[int]:
         s = counted(store, "failure")
         if not s.check([key]):
             return []
-        return sorted({int(r) for r in s.get(key).decode().split(";") if r})
+        return sorted({int(r) for r in s.get(key).decode().split(";") if r} - {besides})
     except Exception:  # noqa: BLE001 - a store that is down cannot tell us more
         return []

@@ -11,6 +11,7 @@ from torch import nn
 
 from . import _events
 from . import _torch_compat as compat
+from ._agreement import default_store, mark_address
 from ._config import Config
 from ._errors import UnsupportedModelError
 from ._log import enable_progress
@@ -75,6 +76,7 @@ def wrap(model: nn.Module, config: Config | None = None, **options: object) -> D
         )
     inner, settings = adopt(model, cfg)
     _warn_if_restarts_share_the_agent_store()
+    mark_address(default_store(), settings.store_root, dist.get_rank())  # for errors to name peers by rank
     if not _events.started():  # the first wrap of this process opens its life in the event log
         _events.emit("start", rank=dist.get_rank(), world=dist.get_world_size(), life=settings.store_root)
     enable_progress(rank=dist.get_rank(), first_rank=dist.get_rank() == settings.ranks[0])

@@ -14,7 +14,7 @@ from torch.distributed.algorithms.join import Joinable
 
 from .. import _events
 from .. import _torch_compat as compat
-from .._agreement import default_store, failed_ranks, layouts_agree, mark_address, mark_failed, ranks_at
+from .._agreement import default_store, failed_ranks, layouts_agree, mark_failed, ranks_at
 from .._config import Config
 from .._errors import DistCompileError, UnsupportedModelError
 from ..capture.regions import RegionNotInlined, mark_repeated_blocks, region_failure_reason
@@ -108,7 +108,6 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
         self._store_prefix = settings.store_root
         self._rank = dist.get_rank()
         self._ranks = list(settings.ranks)
-        mark_address(default_store(), self._store_prefix, self._rank)
         params = {n: p for n, p in module.named_parameters() if p.requires_grad and n not in settings.ignored}
         self._buffers_list = [b for n, b in module.named_buffers() if n not in settings.ignored]
         self._reducer = BucketReducer(
@@ -119,7 +118,9 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
             grad_as_view=settings.grad_as_view,
             observer=observer,
             detect_nonfinite=config.detect_nonfinite,
-            peers=Peers(describe=self._describe_peers, at=self._ranks_at),
+            peers=Peers(
+                self._describe_peers, lambda a: ranks_at(default_store(), self._store_prefix, a, self._rank)
+            ),
             sparse=sparse_params(module),
             comm_hook=settings.comm_hook,
             bucket_caps=(settings.bucket_cap, settings.first_bucket_cap),
@@ -335,9 +336,6 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
                 "docs/integrations.md)."
             )
         self._outer_checked = torch.is_grad_enabled()
-
-    def _ranks_at(self, address: str) -> list[int]:
-        return [r for r in ranks_at(default_store(), self._store_prefix, address) if r != self._rank]
 
     def _describe_peers(self) -> str:
         others = [r for r in self._ranks if r != self._rank]
