@@ -138,7 +138,8 @@ class Injector:
         rec["during_first_compile"] = compiling
         rec["did"] = (
             f"SIGKILL node {other}'s local rank 0 (pid {trigger}) for a restart, then all {len(victims)} workers "
-            f"of node {fault.node} {'during' if compiling else 'after'} their first step's compile"
+            f"of node {fault.node} {'before' if compiling else 'after'} their first step (after wrap: loading the "
+            "checkpoint, compiling or loading pieces)"
         )
 
     def _do_stall(self, fault: Fault, rec: dict) -> None:

@@ -16,7 +16,7 @@ __all__ = ["KINDS", "RESTARTING", "Fault", "make_schedule", "steps_needed"]
 #: Every kind of fault, in the order a schedule first covers them.
 KINDS = (
     "kill_worker",  # SIGKILL one worker
-    "kill_node_compiling",  # a restart, then SIGKILL every worker of a node during its first compile
+    "kill_node_compiling",  # a restart, then SIGKILL every worker of a node between wrap and its first step
     "stall",  # SIGSTOP a worker for longer than a step, shorter than desync_timeout_s; SIGCONT
     "bad_link",  # one node's link slowed (queueing delay) and dropping 1% of packets, for a while
     "empty_cache",  # empty a node's compile cache folder, then SIGKILL one of its workers
