@@ -234,8 +234,9 @@ def failed_ranks(store: dist.Store, prefix: str, ranks: list[int]) -> dict[int, 
 
 
 # Note [Naming the peer behind an address]: gloo's error for a dead or silent peer gives the
-# peer's address ("[10.0.0.2]:53634"), not its rank. Each rank appends itself under every
-# IPv4 address its node may be reached at, at wrap (one ``append`` per address), and a rank
+# peer's address ("[10.0.0.2]:53634"), not its rank. Each rank appends itself under each
+# IPv4 address gloo advertises for it (``host_addresses``: usually one), at wrap (one
+# ``append`` per address), and a rank
 # whose all-reduce failed reads the one key of that address (one ``get``, on the error path
 # alone). Loopback addresses are keyed by host name too: every node has 127.0.0.1.
 
@@ -246,32 +247,29 @@ def _address_key(prefix: str, ip: str) -> str:
 
 
 def host_addresses() -> list[str]:
-    """The IPv4 addresses of this host's interfaces that gloo may use (``GLOO_SOCKET_IFNAME``'s
-    if set), or of its host name where interfaces cannot be listed.
+    """The IPv4 addresses gloo advertises for this host: those of the ``GLOO_SOCKET_IFNAME``
+    interfaces if set, else its host name's (gloo's default; loopback if the name does not
+    resolve, as gloo falls back to it).
 
     Example:
-        >>> "127.0.0.1" in host_addresses() or not host_addresses()
+        >>> all(a.count(".") == 3 for a in host_addresses())
         True
     """
     names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
     out: list[str] = []
     try:
-        import fcntl  # POSIX only
+        if names:
+            import fcntl  # POSIX only, as is GLOO_SOCKET_IFNAME's use
 
-        names = names or [name for _, name in socket.if_nameindex()]
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            for name in names:
-                try:  # SIOCGIFADDR: the interface's IPv4 address
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                for name in names:  # SIOCGIFADDR: the interface's IPv4 address
                     packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-                except OSError:  # no IPv4 address on this interface
-                    continue
-                out.append(socket.inet_ntoa(packed[20:24]))
-    except (ImportError, OSError):
-        try:
+                    out.append(socket.inet_ntoa(packed[20:24]))
+        else:
             out = [a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
-        except OSError:
-            out = []
-    return list(dict.fromkeys(out))
+    except (ImportError, OSError):  # no such interface, no IPv4 address on it, a name that does not resolve
+        pass
+    return list(dict.fromkeys(out)) or ["127.0.0.1"]
 
 
 def mark_address(store: dist.Store, prefix: str, rank: int) -> None:
