@@ -553,7 +553,9 @@ def shared_compile(
     # docs/debugging.md tells a user of retain_graph=True to set:
     torch._functorch.config.donated_buffer = False
     before = distcompile._torch_compat.aot_autograd_counts()
+    loads = _count_check_loads()
     result = parity(rank, world, model, "inductor", case)
+    result["check_loads"] = len(loads)
     after = distcompile._torch_compat.aot_autograd_counts()
     result["aot_hits"] = after[1] - before[1]
     result["aot_compiled"] = after[0] - before[0] - result["aot_hits"]
@@ -564,6 +566,23 @@ def shared_compile(
     result["warm_markers"] = len(os.listdir(os.path.join(cache_dir, "distcompile-peers"))) - result["peers"]
     result["log"] = lines
     return result
+
+
+def _count_check_loads() -> list[str]:
+    """The libraries of Inductor's CPU checks loaded in a process of their own from now on
+    (the real loads, counted: ``VecISA._probe_load``, 2.13 and later)."""
+    from torch._inductor import cpu_vec_isa
+
+    loaded: list[str] = []
+    probe = getattr(cpu_vec_isa.VecISA, "_probe_load", None)
+    if probe is not None:
+
+        def counted(self: object, path: str) -> bool:
+            loaded.append(path)
+            return probe(self, path)
+
+        cpu_vec_isa.VecISA._probe_load = counted  # type: ignore[method-assign]
+    return loaded
 
 
 def uncompiled_report(rank: int, world: int) -> dict:

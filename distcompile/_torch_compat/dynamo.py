@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,7 +18,6 @@ __all__ = [
     "compile_module",
     "compiled_autograd",
     "compiled_original",
-    "cpu_isa_checks",
     "dynamo_control_flow",
     "graph_break_parts",
     "inductor_cache_dir",
@@ -29,7 +27,6 @@ __all__ = [
     "inductor_modes",
     "is_compiled_module",
     "lookup_backend",
-    "run_cpu_isa_check",
     "set_optimize_ddp",
 ]
 
@@ -233,82 +230,6 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return cache_dir()
-
-
-def cpu_isa_checks() -> list:
-    """Inductor's one-time checks of this CPU's vector instruction sets, in its order; [] once run.
-
-    Before it generates its first C++ kernel, Inductor builds and loads a small library
-    for each instruction set the CPU reports (AMX, AVX-512 VNNI, AVX-512, AVX2), each
-    more extended one after the checks of the sets it extends: about 1.7 s of compiler
-    for the first library of each, 0.35 s for each further one, under a file lock in its
-    cache folder, so that the ranks of a machine would wait for them in turn. Each item
-    is run with :func:`run_cpu_isa_check`, which builds what no other process has built
-    and loads the rest. Empty when already run in this process, on CPUs other than x86,
-    or when ``config.cpp.vec_isa_ok`` skips the checks. Checked: 2.13, 2.15
-    (``torch._inductor.cpu_vec_isa``: ``supported_vec_isa_list``, ``x86_isa_checker``,
-    ``valid_vec_isa_list``; ``bool(isa)`` runs the checks once and remembers them).
-
-    Example:
-        >>> len(cpu_isa_checks()) <= 6
-        True
-    """
-    import platform
-
-    from torch._inductor import config
-    from torch._inductor import cpu_vec_isa as vec
-
-    if platform.machine() not in ("x86_64", "AMD64") or config.cpp.vec_isa_ok is not None:
-        return []
-    try:
-        if vec.valid_vec_isa_list.cache_info().currsize:  # checked already
-            return []
-        flags = vec.x86_isa_checker()
-        return [isa for isa in vec.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
-    except AttributeError:  # another layout: Inductor runs its checks itself, unsplit
-        return []
-
-
-#: The libraries :func:`run_cpu_isa_check` found built (``kernel_libraries`` ships them too).
-ISA_LIBRARIES: set[str] = set()
-
-
-def run_cpu_isa_check(isa: object) -> bool:
-    """Run the checks of one item of :func:`cpu_isa_checks`; whether the set works.
-
-    Each check builds a small library once (kept in Inductor's cache) and then, in every
-    new process, loads it in a new Python process (about 0.15 s each, ten in all on an
-    AVX-512 machine: 1.1-1.7 s of every warm start on 2 cores). A library that loaded
-    once is not loaded again here: a ``.load_ok`` file beside it says so, the file and
-    the rule Inductor itself uses from torch 2.15 on (where this adds nothing). The
-    library's name holds the hash of its code, compiler version, flags and torch
-    version, so a change of any of them loads a new library. Checked: 2.13, 2.15
-    (``VecISA._probe_load(path)``, called by ``check_build`` under its lock); 2.11 loads
-    inside ``check_build`` (no ``_probe_load``): its checks run as they are, loads included.
-
-    Example:
-        >>> # for isa in cpu_isa_checks(): run_cpu_isa_check(isa)
-    """
-    probe = getattr(type(isa), "_probe_load", None)
-    if probe is None:  # another layout: Inductor's checks as they are
-        return bool(isa)
-
-    def load(path: str) -> bool:
-        ISA_LIBRARIES.add(path)
-        marker = path + ".load_ok"
-        if os.path.isfile(marker):
-            return True
-        ok = probe(isa, path)
-        if ok:
-            with contextlib.suppress(OSError):  # a read-only cache: load again next time
-                open(marker, "w").close()
-        return ok
-
-    isa._probe_load = load  # type: ignore[attr-defined]  # this call only
-    try:
-        return bool(isa)
-    finally:
-        del isa._probe_load  # type: ignore[attr-defined]
 
 
 def compile_cache_hits() -> int:

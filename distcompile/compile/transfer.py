@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 #: Largest value put in the store at once.
 CHUNK_BYTES = 4 * 1024 * 1024
 _FORMAT = "distcompile-artifacts/1"
+_MARK = ".so" + compat.LOADED
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,14 +260,17 @@ def fetch(
 
 
 def install(payload: bytes) -> int:
-    """Write the container's kernel libraries this folder lacks and load its entries into
+    """Write the container's kernel libraries (and the load marks of the CPU checks' libraries:
+    ``compat.kernel_libraries``) this folder lacks, libraries first, and load its entries into
     the compile caches; the number of entries loaded. ``ValueError`` if malformed."""
     entries, libs = unpack(payload)
     root = os.path.realpath(compat.inductor_cache_dir())
-    for rel, data in libs.items():
+    for rel, data in sorted(libs.items(), key=lambda item: item[0].endswith(_MARK)):
         path = os.path.realpath(os.path.join(root, rel))
-        if os.path.commonpath([root, path]) != root or not path.endswith(".so"):
+        if os.path.commonpath([root, path]) != root or not path.endswith((".so", _MARK)):
             raise ValueError(f"kernel library path {rel!r} leads outside the cache folder")
+        if path.endswith(_MARK) and data:
+            raise ValueError(f"load mark {rel!r} is not empty")
         if os.path.exists(path):
             continue
         os.makedirs(os.path.dirname(path), exist_ok=True)

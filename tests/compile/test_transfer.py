@@ -63,6 +63,15 @@ def test_install_writes_libraries_inside_the_cache_folder_only(tmp_path) -> None
         with pytest.raises(ValueError, match="outside the cache folder"):
             transfer.install(transfer.pack(b"", {bad: b"x"}))
     assert not (tmp_path.parent / "evil.so").exists()
+    # A CPU check's load mark is written after its library, and only empty.
+    transfer.install(transfer.pack(b"", {"cd/kcd.so.load_ok": b"", "cd/kcd.so": b"\x7fELF"}))
+    mark = tmp_path / "cd" / "kcd.so.load_ok"
+    assert (
+        mark.read_bytes() == b""
+        and mark.stat().st_mtime_ns >= (tmp_path / "cd" / "kcd.so").stat().st_mtime_ns
+    )
+    with pytest.raises(ValueError, match="is not empty"):
+        transfer.install(transfer.pack(b"", {"cd/kce.so.load_ok": b"x"}))
 
 
 @pytest.fixture(autouse=True)
@@ -179,6 +188,8 @@ def test_after_a_restart_a_rank_whose_folder_was_emptied_loads_everything(model:
     lines = [_pieces_line(r) for r in results]
     assert f"{jobs} from the cache" in lines[0] and f"{jobs} from other-folder peers" in lines[1], lines
     assert any("its compile cache is cold" in x for x in results[1]["log"]), results[1]["log"]
+    # The CPU checks' libraries came with their load marks: none loaded in a process of its own.
+    assert results[1]["check_loads"] == 0, results[1]["check_loads"]
 
 
 @pytest.mark.long  # two runs of the job; CI runs it after the README's command
