@@ -12,7 +12,19 @@ functions, unmodified, with synthetic inputs of stated sizes (no model, no compi
   graph's structure and its plan: ``--summary-kb``), as the first step does per graph;
 - ``layout``: ``_agreement.layouts_agree`` of a bucket layout of 64 buckets;
 - ``recompile``: ``_agreement.compile_together`` (whether the ranks recompile together);
-- ``peers``: ``compile.peers.folder_of`` and ``warm_ranks`` with one folder per 2 ranks.
+- ``peers``: ``compile.peers.folder_of`` and ``warm_ranks`` with one folder per 2 ranks;
+- ``sharing``: ``compile.sharing.CompileSharing.compile_all`` of one graph of 4 distinct
+  pieces, one folder per 2 ranks, cold, through the store (the path after a failure in the
+  leaders' tree, which is a gloo group and cannot run in threads; the tree's bytes per
+  process are arithmetic: Note [Compiles between folders by tree]). Its heartbeats, marks,
+  waits, publications, fetches and deletions are the real ones; only the compiled bytes are
+  synthetic: ``transfer.collect`` returns ``--payload-kb`` of random bytes for each piece
+  the rank compiled or loaded since its last publication (a leader: its folder's share),
+  and ``transfer.install`` loads nothing into torch's caches.
+
+The store's server runs in a process of its own, so that its memory is its own: the table
+gives its resident memory after each phase and its peak (``VmHWM``) above what it held at
+the start of the job size.
 
 Each rank's client counts its operations and the bytes it sent and received; a phase's
 wall time is from the first rank's start to the last rank's end. Which distcompile is
@@ -26,8 +38,10 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -35,14 +49,18 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-PHASES = ("agreement", "layout", "recompile", "peers")
+PHASES = ("agreement", "layout", "recompile", "peers", "sharing")
+#: One graph's distinct pieces in the ``sharing`` phase.
+PIECES = 4
 
 
 class _Client:
     """One simulated rank's store client, counting what it does."""
 
     def __init__(self, port: int) -> None:
-        self.store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=__import__("datetime").timedelta(seconds=600))
+        self.store = dist.TCPStore(
+            "127.0.0.1", port, is_master=False, timeout=__import__("datetime").timedelta(seconds=600)
+        )
         self.ops = 0
         self.bytes = 0
 
@@ -98,7 +116,7 @@ class _Client:
         return values
 
 
-def _phase_calls(summary: str, layout: list[list[str]]) -> dict[str, Callable]:
+def _phase_calls(summary: str, layout: list[list[str]], payload_kb: float) -> dict[str, Callable]:
     from distcompile._agreement import check_agreement, compile_together, layouts_agree
     from distcompile.compile.peers import folder_of, warm_ranks
 
@@ -117,17 +135,62 @@ def _phase_calls(summary: str, layout: list[list[str]]) -> dict[str, Callable]:
         marker = f"/nonexistent/distcompile-sim-{rank % 4}"  # no rank warm: the common cold start
         warm_ranks(store, f"{key}/warm", rank=rank, ranks=ranks, marker=marker, timeout_s=600)
 
-    return {"agreement": agreement, "layout": layout_, "recompile": recompile, "peers": peers}
+    return {
+        "agreement": agreement,
+        "layout": layout_,
+        "recompile": recompile,
+        "peers": peers,
+        "sharing": _sharing_call(payload_kb),
+    }
 
 
-def simulate(n: int, summary_kb: float, port: int) -> dict:
-    """Run every phase with ``n`` simulated ranks against the server on ``port``."""
+def _sharing_call(payload_kb: float) -> Callable:
+    """One rank's ``compile_all`` of a graph of ``PIECES`` pieces, two ranks a folder, through the store."""
+    from torch import fx, nn
+
+    from distcompile.compile import sharing, transfer
+
+    piece, done = os.urandom(int(payload_kb * 1024)), threading.local()
+
+    def compile_one(job: sharing.CompileJob) -> str:  # compiled or loaded here: its bytes are held
+        done.pieces = getattr(done, "pieces", 0) + 1
+        return job.key
+
+    def collect() -> bytes:  # what this rank's process compiled or loaded since its last publication
+        n, done.pieces = getattr(done, "pieces", 0), 0
+        return piece * n
+
+    transfer.collect = collect
+    sharing.transfer.install = lambda data: 0  # nothing real to load into torch's caches
+    jobs = [
+        sharing.CompileJob(fx.symbolic_trace(nn.Sequential(*[nn.ReLU()] * (j + 1))), [], f"p{j}")
+        for j in range(PIECES)
+    ]
+
+    def run(store: _Client, rank: int, ranks: list[int], key: str) -> None:
+        s = sharing.CompileSharing(lambda: store, key, rank=rank, ranks=ranks, timeout_s=600)
+        s.peers = tuple(p for p in (rank - rank % 2, rank - rank % 2 + 1) if p < len(ranks))  # 2 a folder
+        s.folders = {r: r - r % 2 for r in ranks}
+        if rank == 0:
+            store.set(f"{key}/tree/broken", "1")  # the store's path (the tree needs processes)
+        store.wait([f"{key}/tree/broken"])
+        s.compile_all(jobs, compile_one=compile_one, graph="g")
+        if s.received_bytes % len(piece):
+            raise RuntimeError(f"received {s.received_bytes} bytes, not whole pieces")
+
+    return run
+
+
+def simulate(n: int, summary_kb: float, payload_kb: float) -> dict:
+    """Run every phase with ``n`` simulated ranks against a new server of their own."""
+    server = _Server()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"dc_sim{n}_")  # a cold folder
     summary = ("call_function linear reads blocks.0.attn.weight | blocks.0.attn (model.py:42)\n" * 10_000)[
         : int(summary_kb * 1024)
     ]
     layout = [[f"blocks.{i}.w{j}" for j in range(4)] for i in range(64)]
-    calls = _phase_calls(summary, layout)
-    clients = [_Client(port) for _ in range(n)]
+    calls = _phase_calls(summary, layout, payload_kb)
+    clients = [_Client(server.port) for _ in range(n)]
     ranks = list(range(n))
     out = {}
     for phase in PHASES:
@@ -136,7 +199,9 @@ def simulate(n: int, summary_kb: float, port: int) -> dict:
         errors: list[str] = []
         start = threading.Barrier(n + 1)
 
-        def run(rank: int, phase: str = phase) -> None:
+        def run(
+            rank: int, phase: str = phase, start: threading.Barrier = start, errors: list[str] = errors
+        ) -> None:
             start.wait()
             try:
                 calls[phase](clients[rank], rank, ranks, f"sim{n}/{phase}")
@@ -157,8 +222,43 @@ def simulate(n: int, summary_kb: float, port: int) -> dict:
             "bytes_per_rank_max": max(c.bytes for c in clients),
             "bytes_total": sum(c.bytes for c in clients),
             "errors": errors[:3],
+            **server.memory(),
         }
+    server.close()
+    shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
     return out
+
+
+class _Server:
+    """The store's server in a process of its own, whose memory is read from ``/proc``."""
+
+    def __init__(self) -> None:
+        code = (
+            "import sys, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True, "
+            "wait_for_workers=False); print(s.port, flush=True); sys.stdin.read()"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        self.port = int(self.proc.stdout.readline())
+        self.start_kb = self._status()["VmRSS"]
+
+    def _status(self) -> dict[str, int]:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            rows = [line.split() for line in f if line.startswith(("VmRSS", "VmHWM"))]
+        return {r[0].rstrip(":"): int(r[1]) for r in rows}
+
+    def memory(self) -> dict[str, float]:
+        """The server's resident memory now and its peak so far, in MB above its start."""
+        now = self._status()
+        return {
+            "server_mb": (now["VmRSS"] - self.start_kb) / 1024,
+            "server_peak_mb": (now["VmHWM"] - self.start_kb) / 1024,
+        }
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
 def _commit() -> str:
@@ -177,17 +277,22 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", default="2,8,64,256,1024", help="simulated job sizes, comma-separated")
     p.add_argument("--summary-kb", type=float, default=16.0, help="size of one graph's summary text")
+    p.add_argument("--payload-kb", type=float, default=1024.0, help="one piece's compiled bytes (sharing)")
     p.add_argument("--out", default="", help="write OUT.json (and print the table)")
     args = p.parse_args(argv)
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     results = {}
-    print(f"{'ranks':>6} {'phase':<10} {'wall s':>8} {'ops/rank':>9} {'kB/rank':>9} {'MB total':>9}", flush=True)
+    print(
+        f"{'ranks':>6} {'phase':<10} {'wall s':>8} {'ops/rank':>9} {'kB/rank':>9} {'MB total':>9} "
+        f"{'server MB':>9} {'peak MB':>8}",
+        flush=True,
+    )
     for n in [int(x) for x in args.ranks.split(",")]:
-        results[n] = simulate(n, args.summary_kb, server.port)
+        results[n] = simulate(n, args.summary_kb, args.payload_kb)
         for phase, r in results[n].items():
             print(
                 f"{n:>6} {phase:<10} {r['wall_s']:>8.3f} {r['ops_per_rank_max']:>9} "
-                f"{r['bytes_per_rank_max'] / 1e3:>9.1f} {r['bytes_total'] / 1e6:>9.2f}"
+                f"{r['bytes_per_rank_max'] / 1e3:>9.1f} {r['bytes_total'] / 1e6:>9.2f} "
+                f"{r['server_mb']:>9.1f} {r['server_peak_mb']:>8.1f}"
                 + (f"  errors: {r['errors'][0]}" if r["errors"] else ""),
                 flush=True,
             )
@@ -198,7 +303,9 @@ def main(argv: list[str] | None = None) -> None:
             "python": platform.python_version(),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "summary_kb": args.summary_kb,
-            "store": "one TCPStore server in this process, one client per simulated rank (threads)",
+            "payload_kb": args.payload_kb,
+            "pieces": PIECES,
+            "store": "one TCPStore server in a process of its own (new per job size), one client per simulated rank (threads)",
         }
         with open(args.out + ".json", "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=2)

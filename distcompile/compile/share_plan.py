@@ -14,7 +14,9 @@ Algorithm (this module decides; ``sharing.py`` carries it out):
   every rank compiles its share, so compile work stays split N ways.
 - Each folder has a leader, its first rank. A rank loads the pieces of its own folder's
   ranks from the folder (they are marked done in the store); the leader, once its process
-  holds its folder's share (compiled or loaded), publishes it once for the other folders.
+  holds its folder's share (compiled or loaded), publishes it once for the other folders,
+  if any other folder needs it (a graph of P distinct pieces has at most P publishers,
+  however many folders there are).
 - Only leaders fetch: each takes every other folder's publication once, installs it into
   its folder and marks the folder installed; the other ranks of the folder wait for that
   mark and load from the folder. Each publication is read once per other folder, then
@@ -54,7 +56,7 @@ class SharePlan:
         publishes: This rank publishes its folder's pieces for the other folders.
         fetches: The leaders whose publications this rank fetches (a leader's list; empty for others).
         fetchers: How many leaders fetch anything: the last of them deletes the publications.
-        publishers: The leaders that publish.
+        publishers: The leaders that publish: those another folder fetches from.
         rank: The rank this plan is for.
     """
 
@@ -121,13 +123,17 @@ def plan_sharing(
 
     owner, mine, other = plan_of(rank)
     leader = folders[rank]
+    def fetches_of(lead: int) -> set[int]:
+        lead_owner, _, lead_other = plan_of(lead)
+        return {folders[lead_owner[j]] for j in lead_other}
+
     leaders = sorted(set(folders[r] for r in sharers))
-    several = len(leaders) > 1
-    cold_exists = not warm or any(r not in warm for r in sharers)
-    publishers = tuple(lead for lead in leaders if several and cold_exists and (not warm or lead in warm))
+    wanted = [fetches_of(lead) for lead in leaders]
+    # Only leaders some other folder fetches from publish: at most one per piece, not one per folder.
+    publishers = tuple(sorted(set().union(*wanted)))
     publishes = rank in publishers
-    fetches = tuple(sorted({folders[owner[j]] for j in other})) if leader == rank else ()
-    fetchers = sum(1 for lead in leaders if plan_of(lead)[2])
+    fetches = tuple(sorted(fetches_of(rank))) if leader == rank else ()
+    fetchers = sum(1 for w in wanted if w)
     return SharePlan(
         rank=rank,
         owner=tuple(owner),

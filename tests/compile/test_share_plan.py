@@ -35,6 +35,19 @@ def test_two_folders_of_two_one_publication_and_one_fetch_per_folder() -> None:
     assert plans[0].publishers == (0, 2) and plans[0].fetchers == 2
 
 
+def test_many_folders_only_the_folders_that_own_pieces_publish() -> None:
+    ranks = list(range(16))
+    folders = {r: r - r % 2 for r in ranks}  # 8 folders of 2, 4 pieces
+    plans = _plans(ranks, folders)
+    owning = sorted({folders[o] for o in plans[0].owner})
+    assert len(owning) <= 4 and all(p.publishers == tuple(owning) for p in plans.values())
+    assert [r for r, p in plans.items() if p.publishes] == owning
+    assert plans[0].fetchers == 8  # every folder lacks some piece
+    assert all(set(p.fetches) <= set(owning) for p in plans.values())
+    restart = _plans(ranks, folders, warm=(0, 1, 2, 3))  # 2 warm folders, 6 cold
+    assert {p.publishers for p in restart.values()} == {(0, 2)}
+
+
 def test_a_warm_restart_sends_cold_folders_to_warm_leaders_and_nothing_between_warm_ones() -> None:
     plans = _plans([0, 1], {0: 0, 1: 1}, warm=(1,))
     assert plans[1].owner == (1, 1, 1, 1) and plans[1].mine == (0, 1, 2, 3) and plans[1].publishes
