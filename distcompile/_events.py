@@ -130,8 +130,13 @@ def summary(paths: Iterable[str]) -> str:
         resumed = next((e for e in evs if e["kind"] == "resumed"), None)
         steps = max((int(e.get("n", 0)) for e in evs if e["kind"] == "step"), default=0)
         errors = [e for e in evs if e["kind"] == "error"]
-        start = f"resumed from {resumed['path']}" if resumed else "started fresh"
-        lines.append(f"  life {i + 1}: {world} ranks, {start}, {steps} steps seen")
+        if resumed:
+            start = f"resumed from {resumed['path']}, {steps} steps seen"
+        elif steps:
+            start = f"started fresh, {steps} steps seen"
+        else:  # stopped while it started: whether it would have resumed is not known
+            start = "no checkpoint loaded and no step seen"
+        lines.append(f"  life {i + 1}: {world} ranks, {start}")
         for e in errors[:3]:
             lines.append(f"    rank {e.get('rank')}: {e.get('error')}: {e.get('message', '')[:300]}")
         if not errors and i + 1 < len(lives):

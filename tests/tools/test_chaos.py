@@ -117,6 +117,8 @@ def test_event_log_and_its_summary(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     )
     assert "rank 0: CommunicationError: rank 0: step 4, bucket 1: a peer died" in text
     assert "resumed from ckpt/step-00000003.pt" in text
+    # The first life died before a step: not called "started fresh" (it may have been loading one).
+    assert "life 1: 2 ranks, no checkpoint loaded and no step seen" in text, text
     monkeypatch.delenv(_events.ENV)
     _events.emit("step", n=1)  # off: nothing written
     assert len(_events.read([str(path)])) == 5
