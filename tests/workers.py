@@ -678,7 +678,7 @@ def tree_broadcasts(rank: int, world: int) -> dict:
     return {"got": got, "sent": sent, "empty": empty}
 
 
-def tree_leader_lost(rank: int, world: int) -> dict:
+def tree_leader_lost(rank: int, world: int, cache_root: str) -> dict:
     """Two folders' leaders; rank 1 dies inside the tree (after its share was ready): rank 0
     compiles what it lacks, says why, and marks the tree broken for the rest of the job."""
     from torch import fx, nn
@@ -686,7 +686,7 @@ def tree_leader_lost(rank: int, world: int) -> dict:
     from distcompile.compile import tree
     from distcompile.compile.sharing import CompileJob, CompileSharing
 
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"tree{rank}_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, str(rank))  # removed by the test
     if rank == 1:
         tree.tree_broadcast = lambda *a, **k: os._exit(0)  # gone mid-transfer
     store = dist.distributed_c10d._get_default_store()

@@ -42,8 +42,8 @@ def test_a_tree_among_some_ranks_carries_each_leaders_bytes_to_the_others() -> N
         )  # each leader gets it once
 
 
-def test_a_leader_lost_inside_the_tree_costs_a_compile_here_not_a_hang() -> None:
-    res = run_ranks(workers.tree_leader_lost, 2, timeout=120, may_die=(1,))[0]
+def test_a_leader_lost_inside_the_tree_costs_a_compile_here_not_a_hang(tmp_path) -> None:  # noqa: ANN001
+    res = run_ranks(workers.tree_leader_lost, 2, str(tmp_path), timeout=120, may_die=(1,))[0]
     assert res["out"] == ["big", "small"], res  # its share, and the lost leader's compiled here
     assert any("the leaders' tree failed" in x for x in res["log"]), res["log"]
     assert res["broken"] and res["route"] == "the leaders' tree", res  # later graphs: the store
