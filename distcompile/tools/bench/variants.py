@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import tempfile
 import time
 from collections.abc import Callable
@@ -179,10 +181,18 @@ def _model(w: Workload, name: str) -> torch.nn.Module:
         cudagraphs=name == "dc_cudagraphs",
         split_shared=not name.endswith("_nosplit"),
         share_compiles=not name.endswith("_noshare"),
-        logdir=tempfile.mkdtemp(prefix=f"dc_{name}_"),
+        logdir=tempfile.mkdtemp(prefix=f"dc_{name}_", dir=_logs_root()),
         trace_every=0,
         figure_every=0,
     )
+
+
+@functools.cache
+def _logs_root() -> str:
+    """A folder for this process's telemetry (read in the process), removed when it exits."""
+    root = tempfile.TemporaryDirectory(prefix="dc_bench_")
+    atexit.register(root.cleanup)
+    return root.name
 
 
 def _fsdp_replicate(w: Workload, name: str) -> torch.nn.Module:
