@@ -95,6 +95,32 @@ def _owners(
     return [sharers[o] for o in assign([c if s else 0 for c, s in zip(costs, shareable)], len(sharers))]
 
 
+def _fetched_from(
+    costs: Sequence[int],
+    shareable: Sequence[bool],
+    sharers: Sequence[int],
+    folders: Mapping[int, int],
+    warm: Sequence[int],
+) -> dict[int, set[int]]:
+    """For each leader, the leaders it fetches from: the folders that make the shareable pieces
+    its folder does not (in O(folders + pieces x sharers), not once per leader)."""
+    leaders = sorted({folders[r] for r in sharers})
+    if not any(shareable):
+        return {lead: set() for lead in leaders}
+    if not warm:  # every rank computes the same owners
+        owning = {
+            folders[o]
+            for o, s in zip(_owners(costs, shareable, sharers[0], sharers, folders, ()), shareable)
+            if s
+        }
+        return {lead: owning - {lead} for lead in leaders}
+    warm_set = set(warm)
+    cold = sorted({folders[r] for r in sharers if r not in warm_set})
+    warm_leaders = sorted({folders[r] for r in warm})
+    source = {lead: warm_leaders[k % len(warm_leaders)] for k, lead in enumerate(cold)}
+    return {lead: set() if lead in warm_set else {source[lead]} - {lead} for lead in leaders}
+
+
 def plan_sharing(
     costs: Sequence[int],
     shareable: Sequence[bool],
@@ -115,25 +141,13 @@ def plan_sharing(
         ((0, 1, 2, 3), (2,), (3,), (0, 1), True, (0,), 2, (0, 2))
     """
 
-    def plan_of(r: int) -> tuple[list[int], list[int], list[int]]:
-        owner = _owners(costs, shareable, r, sharers, folders, warm)
-        mine = [j for j in range(len(costs)) if owner[j] == r or not shareable[j]]
-        other = [j for j in range(len(costs)) if j not in mine and folders[owner[j]] != folders[r]]
-        return owner, mine, other
-
-    owner, mine, other = plan_of(rank)
+    owner = _owners(costs, shareable, rank, sharers, folders, warm)
+    mine = [j for j in range(len(costs)) if owner[j] == rank or not shareable[j]]
+    other = [j for j in range(len(costs)) if j not in mine and folders[owner[j]] != folders[rank]]
     leader = folders[rank]
-    def fetches_of(lead: int) -> set[int]:
-        lead_owner, _, lead_other = plan_of(lead)
-        return {folders[lead_owner[j]] for j in lead_other}
-
-    leaders = sorted(set(folders[r] for r in sharers))
-    wanted = [fetches_of(lead) for lead in leaders]
+    wanted = _fetched_from(costs, shareable, sharers, folders, warm)
     # Only leaders some other folder fetches from publish: at most one per piece, not one per folder.
-    publishers = tuple(sorted(set().union(*wanted)))
-    publishes = rank in publishers
-    fetches = tuple(sorted(fetches_of(rank))) if leader == rank else ()
-    fetchers = sum(1 for w in wanted if w)
+    publishers = tuple(sorted(set().union(*wanted.values())))
     return SharePlan(
         rank=rank,
         owner=tuple(owner),
@@ -141,8 +155,8 @@ def plan_sharing(
         from_folder=tuple(j for j in range(len(costs)) if j not in mine and j not in other),
         from_other=tuple(other),
         leader=leader,
-        publishes=publishes,
-        fetches=fetches,
-        fetchers=fetchers,
+        publishes=rank in publishers,
+        fetches=tuple(sorted(wanted[rank])) if leader == rank else (),
+        fetchers=sum(1 for w in wanted.values() if w),
         publishers=publishers,
     )

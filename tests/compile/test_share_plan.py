@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from distcompile.compile.share_plan import plan_sharing
 
 COSTS, SHAREABLE = [8, 5, 3, 2], [True] * 4
@@ -46,6 +48,21 @@ def test_many_folders_only_the_folders_that_own_pieces_publish() -> None:
     assert all(set(p.fetches) <= set(owning) for p in plans.values())
     restart = _plans(ranks, folders, warm=(0, 1, 2, 3))  # 2 warm folders, 6 cold
     assert {p.publishers for p in restart.values()} == {(0, 2)}
+
+
+@pytest.mark.parametrize(
+    ("nranks", "per_folder", "warm"),
+    [(2, 1, ()), (6, 2, ()), (16, 4, ()), (16, 2, (0, 1, 2, 3)), (12, 3, (6, 7, 8)), (8, 1, (5,))],
+)
+def test_what_leaders_fetch_agrees_with_what_they_lack(nranks: int, per_folder: int, warm: tuple) -> None:
+    ranks = list(range(nranks))
+    folders = {r: r - r % per_folder for r in ranks}
+    plans = _plans(ranks, folders, warm)
+    lacks = {r: {folders[p.owner[j]] for j in p.from_other} for r, p in plans.items() if p.is_leader}
+    assert all(set(plans[r].fetches) == lacks[r] for r in lacks), (lacks, plans)
+    assert all(p.publishers == tuple(sorted(set().union(*lacks.values()))) for p in plans.values())
+    assert all(p.fetchers == sum(1 for x in lacks.values() if x) for p in plans.values())
+    assert all(not p.fetches for p in plans.values() if not p.is_leader)
 
 
 def test_a_warm_restart_sends_cold_folders_to_warm_leaders_and_nothing_between_warm_ones() -> None:
