@@ -103,10 +103,11 @@ def run_cpu_isa_check(isa: object) -> bool:
                 open(marker, "w").close()
         return ok
 
-    if probe is not None:  # 2.11: Inductor's checks as they are, loads included
+    sources: list[tuple[str, str]] = []
+    if probe is not None:  # else (2.11) Inductor's checks run as they are, loads included
         isa._probe_load = load  # type: ignore[attr-defined]  # this call only
     try:
-        with _check_sources() as sources:
+        with _check_sources(sources):
             return bool(isa)
     finally:
         if probe is not None:
@@ -119,14 +120,14 @@ def _library_pattern(key: str, source: str) -> str:
 
 
 @contextlib.contextmanager
-def _check_sources() -> Iterator[list[tuple[str, str]]]:
-    """The (key, path) of each C++ source Inductor writes meanwhile: a check's library is
-    built beside its source, named by its key, whether or not the check loads it (2.15
-    skips the load, and so :func:`run_cpu_isa_check`'s hook, where the mark is there).
-    Checked: 2.11, 2.13, 2.15 (``codecache.write`` imported by ``check_build`` per call)."""
+def _check_sources(seen: list[tuple[str, str]]) -> Iterator[None]:
+    """Add to ``seen`` the (key, path) of each C++ source Inductor writes meanwhile: a check's
+    library is built beside its source, named by its key, whether or not the check loads it
+    (2.15 skips the load, and so :func:`run_cpu_isa_check`'s hook, where the mark is there).
+    Checked: 2.13, 2.15 (``codecache.write`` imported by ``check_build`` at each call)."""
     from torch._inductor import codecache
 
-    write, seen = codecache.write, []
+    write = codecache.write
 
     def recorded(content: object, extension: str, *args: object, **kwargs: object) -> tuple[str, str]:
         key, path = write(content, extension, *args, **kwargs)
@@ -136,6 +137,6 @@ def _check_sources() -> Iterator[list[tuple[str, str]]]:
 
     codecache.write = recorded
     try:
-        yield seen
+        yield
     finally:
         codecache.write = write

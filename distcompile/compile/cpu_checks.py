@@ -76,9 +76,8 @@ def share_cpu_checks(
     of this project's machine, against half of it for two ranks of one folder). The store
     serves each share once per other folder, not once per rank: at most the checks'
     libraries x folders bytes (about 150 kB x folders here; CPU kernels only), and the last
-    leader deletes them. ``wait(key,
-    peer)`` waits for a peer's mark (heartbeats, timeouts: ``peers.wait_for_peer``); a
-    share that does not arrive is built here.
+    leader deletes them. ``wait(key, peer)`` waits for a peer's mark (heartbeats, timeouts:
+    ``peers.wait_for_peer``); a share that does not arrive is built here.
 
     Example:
         >>> # share_cpu_checks(store, f"{prefix}/checks", rank=0, sharers=(0, 1), folders={0: 0, 1: 1}, wait=w)
