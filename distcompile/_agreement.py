@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from . import _torch_compat as compat
 from ._errors import DesyncError
-from ._store import StoreTimeout, Verdict, agree, counted, digest
+from ._store import StoreTimeout, Verdict, agree, answered_within, counted, digest
 
 __all__ = [
     "check_agreement",
@@ -218,19 +218,24 @@ def mark_failed(store: dist.Store, prefix: str, rank: int, what: str) -> None:
 
 def failed_ranks(store: dist.Store, prefix: str, ranks: list[int]) -> dict[int, str]:
     """Ranks of ``ranks`` that recorded a failure under ``prefix``, with what they recorded
-    (one ``check`` and one ``get`` when none failed, whatever the number of ranks)."""
-    out: dict[int, str] = {}
-    try:
-        s = counted(store, "failure")
-        if not s.check([f"{prefix}/failed"]):
-            return out
-        wanted = set(ranks)
-        for r in dict.fromkeys(int(x) for x in s.get(f"{prefix}/failed").decode().split(";") if x):
-            if r in wanted and len(out) < 16:
-                out[r] = s.get(f"{prefix}/failed/{r}").decode()
-    except Exception:  # noqa: BLE001 - a store that is down cannot tell us more
-        pass
-    return out
+    (one ``check`` and one ``get`` when none failed, whatever the number of ranks; nothing
+    if the store does not answer within ``_store.LOOKUP_S``)."""
+
+    def ask() -> dict[int, str]:
+        out: dict[int, str] = {}
+        try:
+            s = counted(store, "failure")
+            if not s.check([f"{prefix}/failed"]):
+                return out
+            wanted = set(ranks)
+            for r in dict.fromkeys(int(x) for x in s.get(f"{prefix}/failed").decode().split(";") if x):
+                if r in wanted and len(out) < 16:
+                    out[r] = s.get(f"{prefix}/failed/{r}").decode()
+        except Exception:  # noqa: BLE001 - a store that is down cannot tell us more
+            pass
+        return out
+
+    return answered_within(ask, {})  # type: ignore[return-value]
 
 
 # Note [Naming the peer behind an address]: gloo's error for a dead or silent peer gives the
@@ -285,13 +290,18 @@ def mark_address(store: dist.Store, prefix: str, rank: int) -> None:
 
 def ranks_at(store: dist.Store, prefix: str, address: str, besides: int = -1) -> list[int]:
     """The ranks but ``besides`` that recorded ``address`` (an IP, or gloo's ``[IP]:port``) with
-    :func:`mark_address`: one ``check`` and one ``get``; empty if none or the store is gone."""
+    :func:`mark_address`: one ``check`` and one ``get``; empty if none, or the store is gone
+    or does not answer within ``_store.LOOKUP_S``."""
     ip = address.rpartition("]")[0].lstrip("[") if address.startswith("[") else address
     key = _address_key(prefix, ip)
-    try:
-        s = counted(store, "failure")
-        if not s.check([key]):
+
+    def ask() -> list[int]:
+        try:
+            s = counted(store, "failure")
+            if not s.check([key]):
+                return []
+            return sorted({int(r) for r in s.get(key).decode().split(";") if r} - {besides})
+        except Exception:  # noqa: BLE001 - a store that is down cannot tell us more
             return []
-        return sorted({int(r) for r in s.get(key).decode().split(";") if r} - {besides})
-    except Exception:  # noqa: BLE001 - a store that is down cannot tell us more
-        return []
+
+    return answered_within(ask, [])  # type: ignore[return-value]

@@ -52,6 +52,7 @@ __all__ = [
     "StoreTimeout",
     "Verdict",
     "agree",
+    "answered_within",
     "barrier",
     "control_plane_counts",
     "counted",
@@ -301,3 +302,25 @@ def agree(
     for r in {verdict.first, rank if rank in verdict.differing else other} - {None}:
         verdict.texts[r] = text if r == rank else store.get(f"{key}/text/{r}").decode()  # type: ignore[index]
     return verdict
+
+
+#: Seconds an error path waits for the store to answer a question (``answered_within``).
+LOOKUP_S = 5.0
+
+
+def answered_within(ask: Callable[[], object], default: object, seconds: float | None = None) -> object:
+    """``ask()`` if it returns within ``seconds`` (``LOOKUP_S``), else ``default``: for what an
+    error path asks the store. A store whose host is stopped (SIGSTOP, a debugger, a frozen
+    node) keeps the connection open and never answers, and a client's ``check`` then blocks
+    past its own timeout (seen on 2.13), so the question runs in a daemon thread that is left
+    behind if it does not come back; the error is raised either way.
+
+    Example:
+        >>> answered_within(lambda: 7, default=0)
+        7
+    """
+    box: list[object] = []
+    asker = threading.Thread(target=lambda: box.append(ask()), name="distcompile-store-lookup", daemon=True)
+    asker.start()
+    asker.join(LOOKUP_S if seconds is None else seconds)
+    return box[0] if box else default

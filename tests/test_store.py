@@ -6,14 +6,19 @@ Simulated ranks are threads, each with its own client of one real TCPStore serve
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
-from distcompile import DesyncError
+from distcompile import DesyncError, _store
 from distcompile._agreement import (
     check_agreement,
     compile_together,
@@ -185,3 +190,27 @@ def test_the_ranks_behind_a_peer_address_are_named(monkeypatch: pytest.MonkeyPat
     out, ops = _ranks(n, fn)
     assert out == [(list(range(n)), [])] * n, out  # every rank is on this host; nobody at TEST-NET-1
     assert max(ops) <= len(addresses) + 2 + 3, ops  # an append per address, the barrier, check+get+check
+
+
+def test_error_path_lookups_give_up_on_a_store_whose_host_is_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store host that is stopped (SIGSTOP) keeps its connections and never answers: what an
+    error path asks (who failed, who is behind an address) comes back empty within LOOKUP_S."""
+    code = (
+        "import sys, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True, "
+        "wait_for_workers=False); print(s.port, flush=True); sys.stdin.read()"
+    )
+    server = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        client = dist.TCPStore("127.0.0.1", int(server.stdout.readline()), is_master=False)
+        client.set("p/failed", "1;")
+        client.set("p/failed/1", "RuntimeError: boom")
+        assert failed_ranks(client, "p", [1]) == {1: "RuntimeError: boom"}  # answered while it runs
+        monkeypatch.setattr(_store, "LOOKUP_S", 1.0)
+        os.kill(server.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        assert failed_ranks(client, "p", [1]) == {} and ranks_at(client, "p", "[10.0.0.2]:4242") == []
+        assert time.monotonic() - start < 10, time.monotonic() - start
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.kill()
+        server.wait(timeout=60)
