@@ -203,16 +203,23 @@ def layouts_agree(
 
 
 def mark_failed(store: dist.Store, prefix: str, rank: int, what: str) -> None:
-    """Record that ``rank`` raised, so peers waiting on it can name it. Never raises.
+    """Record that ``rank`` raised, so peers waiting on it can name it. Never raises, and
+    gives up after ``_store.LOOKUP_S`` on a store that does not answer.
 
     One key for the whole job (``prefix/failed``, appended to): a peer reads it with one
     ``get`` whatever the number of ranks.
     """
-    try:
-        s = counted(store, "failure")
-        s.set(f"{prefix}/failed/{rank}", what[:2000])
-        s.append(f"{prefix}/failed", f"{rank};")
-    except Exception:  # noqa: BLE001 - the store may be gone too; the original error matters more
+
+    def record() -> bool:
+        try:
+            s = counted(store, "failure")
+            s.set(f"{prefix}/failed/{rank}", what[:2000])
+            s.append(f"{prefix}/failed", f"{rank};")
+            return True
+        except Exception:  # noqa: BLE001 - the store may be gone too; the original error matters more
+            return False
+
+    if not answered_within(record, False):
         log.debug("could not record the failure of rank %d in the store", rank)
 
 

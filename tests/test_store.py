@@ -194,7 +194,8 @@ def test_the_ranks_behind_a_peer_address_are_named(monkeypatch: pytest.MonkeyPat
 
 def test_error_path_lookups_give_up_on_a_store_whose_host_is_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
     """A store host that is stopped (SIGSTOP) keeps its connections and never answers: what an
-    error path asks (who failed, who is behind an address) comes back empty within LOOKUP_S."""
+    error path asks (who failed, who is behind an address) comes back empty, and what it
+    records is given up, each within LOOKUP_S."""
     code = (
         "import sys, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True, "
         "wait_for_workers=False); print(s.port, flush=True); sys.stdin.read()"
@@ -209,7 +210,8 @@ def test_error_path_lookups_give_up_on_a_store_whose_host_is_stopped(monkeypatch
         os.kill(server.pid, signal.SIGSTOP)
         start = time.monotonic()
         assert failed_ranks(client, "p", [1]) == {} and ranks_at(client, "p", "[10.0.0.2]:4242") == []
-        assert time.monotonic() - start < 10, time.monotonic() - start
+        mark_failed(client, "p", 0, "RuntimeError: the error this rank raises next")  # and gives up
+        assert time.monotonic() - start < 15, time.monotonic() - start
     finally:
         os.kill(server.pid, signal.SIGCONT)
         server.kill()
