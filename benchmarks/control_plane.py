@@ -161,7 +161,7 @@ def _sharing_call(payload_kb: float) -> Callable:
         return piece * n
 
     transfer.collect = collect
-    sharing.transfer.install = lambda data: 0  # nothing real to load into torch's caches
+    transfer.install = lambda data: 0  # nothing real to load into torch's caches
     jobs = [
         sharing.CompileJob(fx.symbolic_trace(nn.Sequential(*[nn.ReLU()] * (j + 1))), [], f"p{j}")
         for j in range(PIECES)

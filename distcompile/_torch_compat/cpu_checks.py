@@ -6,6 +6,7 @@ between ranks], ``compile/cpu_checks.py``)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import os
 from collections.abc import Iterator
@@ -53,6 +54,7 @@ ISA_LIBRARIES: set[str] = set()
 LOADED = ".load_ok"
 
 
+@functools.cache
 def vector_flags() -> str:
     """The vector-instruction flags Inductor's CPU checks read (``/proc/cpuinfo`` on x86),
     space-separated; ``""`` elsewhere. Checked: 2.13, 2.15 (``cpu_vec_isa.x86_isa_checker``).

@@ -103,7 +103,7 @@ def share_cpu_checks(
                 _install_share(store, prefix, rank, peer, wait)
         finally:
             store.set(f"{prefix}/installed/{rank}", "1")
-        if store.add(f"{prefix}/leaders_done", 1) == len({folders[r] for r in sharers}):
+        if owner and store.add(f"{prefix}/leaders_done", 1) == len({folders[r] for r in sharers}):
             for peer in sorted(set(owner)):  # the last leader: nobody reads them any more
                 transfer.delete(store, f"{prefix}/{peer}")
     for i in range(len(checks)):

@@ -96,23 +96,20 @@ def _owners(
 
 
 def _fetched_from(
-    costs: Sequence[int],
+    owner: Sequence[int],
     shareable: Sequence[bool],
     sharers: Sequence[int],
     folders: Mapping[int, int],
     warm: Sequence[int],
 ) -> dict[int, set[int]]:
     """For each leader, the leaders it fetches from: the folders that make the shareable pieces
-    its folder does not (in O(folders + pieces x sharers), not once per leader)."""
+    its folder does not (in O(folders + pieces), not once per leader). ``owner``: any rank's
+    owners at a cold start (they are the same on every rank)."""
     leaders = sorted({folders[r] for r in sharers})
     if not any(shareable):
         return {lead: set() for lead in leaders}
     if not warm:  # every rank computes the same owners
-        owning = {
-            folders[o]
-            for o, s in zip(_owners(costs, shareable, sharers[0], sharers, folders, ()), shareable)
-            if s
-        }
+        owning = {folders[o] for o, s in zip(owner, shareable) if s}
         return {lead: owning - {lead} for lead in leaders}
     warm_set = set(warm)
     cold = sorted({folders[r] for r in sharers if r not in warm_set})
@@ -145,7 +142,7 @@ def plan_sharing(
     mine = [j for j in range(len(costs)) if owner[j] == rank or not shareable[j]]
     other = [j for j in range(len(costs)) if j not in mine and folders[owner[j]] != folders[rank]]
     leader = folders[rank]
-    wanted = _fetched_from(costs, shareable, sharers, folders, warm)
+    wanted = _fetched_from(owner, shareable, sharers, folders, warm)
     # Only leaders some other folder fetches from publish: at most one per piece, not one per folder.
     publishers = tuple(sorted(set().union(*wanted.values())))
     return SharePlan(
