@@ -16,6 +16,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -28,6 +29,7 @@ __all__ = [
     "compile_together",
     "default_store",
     "failed_ranks",
+    "first_rank_says",
     "host_addresses",
     "layouts_agree",
     "mark_address",
@@ -79,16 +81,50 @@ def check_agreement(
             counted(store, "agreement"), key, summary, rank=rank, ranks=ranks, timeout_s=timeout_s
         )
     except StoreTimeout as exc:
-        raise DesyncError(
-            f"rank {rank}: rank(s) {exc.missing} did not compile {what} within {timeout_s:.0f} s "
-            "(desync_timeout_s). Those ranks either took a "
-            "different code path before it (Python control flow that differs between ranks, so "
-            "TorchDynamo captured another graph or none), are still compiling, or died. Make every "
-            "rank run the same model code, or raise desync_timeout_s if compiles are slow."
-        ) from exc
+        raise _did_not_compile(rank, exc.missing, what, timeout_s) from exc
     if not verdict.same:
         _raise_differs(verdict, summary, rank=rank, what=what, fix=fix)
     log.debug("%s agrees across %d ranks", what, len(ranks))
+
+
+def _did_not_compile(rank: int, missing: object, what: str, timeout_s: float) -> DesyncError:
+    return DesyncError(
+        f"rank {rank}: rank(s) {missing} did not compile {what} within {timeout_s:.0f} s "
+        "(desync_timeout_s). Those ranks either took a "
+        "different code path before it (Python control flow that differs between ranks, so "
+        "TorchDynamo captured another graph or none), are still compiling, or died. Make every "
+        "rank run the same model code, or raise desync_timeout_s if compiles are slow."
+    )
+
+
+def first_rank_says(
+    store: dist.Store,
+    key: str,
+    make: Callable[[], str],
+    *,
+    rank: int,
+    ranks: list[int],
+    timeout_s: float,
+    what: str,
+) -> str:
+    """``make()`` on the first of ``ranks``, the same text on every rank: one store
+    operation a rank. The others wait up to ``timeout_s`` (:class:`DesyncError` naming the
+    first rank after it). For figures each rank would measure a little differently, which
+    must be equal everywhere (every rank plans the same segments from them).
+
+    Example:
+        >>> # work = first_rank_says(default_store(), key + "/costs", measure, rank=r,
+        >>> #                        ranks=[0, 1], timeout_s=60, what="graph 0")
+    """
+    s = counted(store, "agreement")
+    if rank == ranks[0]:
+        text = make()
+        s.set(key, text)
+        return text
+    try:
+        return s.get_within(key, timeout_s).decode()
+    except StoreTimeout as exc:
+        raise _did_not_compile(rank, [ranks[0]], what, timeout_s) from exc
 
 
 def compile_together(

@@ -23,6 +23,7 @@ from distcompile._agreement import (
     check_agreement,
     compile_together,
     failed_ranks,
+    first_rank_says,
     host_addresses,
     layouts_agree,
     mark_address,
@@ -85,6 +86,34 @@ def test_agree_compares_digests_in_a_bounded_number_of_operations() -> None:
     assert max(ops) <= 6, (
         ops
     )  # here, compare_set, add, wait(done), add(ndiffer); the first rank also sets its text
+
+
+def test_first_rank_says_gives_every_rank_its_text_in_one_operation() -> None:
+    made = []
+
+    def make(r: int) -> Callable[[], str]:
+        return lambda: made.append(r) or f"[{r}, 2.5]"  # a measurement that differs by rank
+
+    n = 16
+    out, ops = _ranks(
+        n, lambda s, r: first_rank_says(s, "k", make(r), rank=r, ranks=list(range(n)), timeout_s=30, what="x")
+    )
+    assert out == ["[0, 2.5]"] * n and made == [0]  # measured once, by the first rank
+    assert max(ops) == 1, ops
+
+
+def test_first_rank_says_names_a_first_rank_that_never_arrives() -> None:
+    def fn(s: object, r: int) -> object:
+        if r == 0:
+            return None  # the first rank took another path
+        return first_rank_says(
+            s, "k", lambda: "[]", rank=r, ranks=[0, 1], timeout_s=1, what="graph 3's timing"
+        )
+
+    t0 = time.monotonic()
+    out, _ = _ranks(2, fn)
+    assert isinstance(out[1], DesyncError) and "rank(s) [0] did not compile graph 3's timing" in str(out[1])
+    assert time.monotonic() - t0 < 10
 
 
 def test_agree_names_the_ranks_that_differ_and_brings_both_texts() -> None:

@@ -6,6 +6,7 @@ leaves; never ``compile``, ``runtime``, ``telemetry``.
 
 - ``graph.py``: the forward nodes, the parameters each reads, their order; data-dependent spans.
 - ``flops.py``: each node's forward FLOPs, on fake copies of its inputs.
+- ``timing.py``: each node's backward timed on random tensors of its shapes (``bucket_cap_mb="auto"``).
 - ``breaks.py``: graph-break reasons, with the user's code line.
 - ``guards.py``: failed guards of a recompile, condensed for a person to read.
 - ``blocks.py``: the repeated blocks of a captured graph (the layers of a transformer).

@@ -17,6 +17,7 @@ the trace", "skip this frame": ``compat.dynamo_control_flow``), which goes back 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -41,7 +42,7 @@ from ..planning.plan import Plan, plan_graph
 from ..planning.split import SplitPlan, split_shared
 from .failures import compile_failure
 from .lockstep import Lockstep
-from .pricing import graph_costs
+from .pricing import graph_costs, planned_by
 from .record import GraphRecord
 from .segments import inner_compiler, split_and_compile
 from .sharing import CompileSharing
@@ -189,7 +190,7 @@ class GraphCompiler:
             t0 = time.perf_counter()
             hits_before = compat.compile_cache_hits()
             reasons = self._take_recompile_reasons()
-            captured, plan, planned_by = self._plan(gm, example_inputs)
+            captured, plan, planned_by = self._plan(gm, example_inputs, bool(reasons))
             # As captured (regions inlined), before compiling can rewrite it: the forward check's run.
             as_captured = fx.GraphModule(gm, copy.deepcopy(gm.graph))
             self._doing = "checking that every rank captured the same graph"
@@ -266,22 +267,23 @@ class GraphCompiler:
             )
         return reasons
 
-    def _plan(self, gm: fx.GraphModule, example_inputs: list) -> tuple[CapturedGraph, Plan, str]:
+    def _plan(self, gm: fx.GraphModule, inputs: list, again: bool) -> tuple[CapturedGraph, Plan, str]:
         t = self.target
-        captured = read_graph(inline_regions(gm), example_inputs, t.params_by_id)
+        captured = read_graph(inline_regions(gm), inputs, t.params_by_id)
         self._doing = "planning segments and buckets"
         param_bytes = {n: p.numel() * p.element_size() for n, p in captured.params.items()}
         owned = self.registry.claimed()  # parameters an earlier graph of this step buckets
         costs = graph_costs(
             t.costs,
             gm,
-            example_inputs,
+            inputs,
             captured,
             first_graph=not owned,
             compressed=t.compression is not None,
             tail_only=t.config.compression_scope == "tail",
             ranks=len(t.ranks),
             rows=self._splits,
+            agree=functools.partial(self.lockstep.first_says, step=self.registry.steps, recompile=again),
         )
         plan = plan_graph(
             captured.nodes,
@@ -297,14 +299,7 @@ class GraphCompiler:
             # inside any span; uncut, the graph compiles as it does under torch.compile.
             sealed=((0, len(captured.nodes)),) if captured.sealed else (),
         )
-        if costs is not None and t.costs is not None:
-            planned_by = f"measured costs: {t.costs.describe()}"
-        else:
-            mib = 1024 * 1024
-            planned_by = (
-                f"bucket caps: {t.bucket_cap / mib:g} MiB, first bucket {t.first_bucket_cap / mib:g} MiB"
-            )
-        return captured, plan, planned_by
+        return captured, plan, planned_by(t.costs, costs, t.bucket_cap, t.first_bucket_cap)
 
     def _compile(
         self,

@@ -42,8 +42,9 @@ Notes
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
-from .._agreement import check_agreement, compile_together, default_store
+from .._agreement import check_agreement, compile_together, default_store, first_rank_says
 from ..capture.graph import CapturedGraph, structure
 from ..planning.plan import Plan
 
@@ -105,6 +106,36 @@ class Lockstep:
         """A forward call begins: its compiles are checked again until a data-dependent break."""
         self._after_break = False
 
+    def upcoming(self, *, step: int, recompile: bool = False) -> tuple[str, bool]:
+        """The next compile's store key, and whether it is checked with every rank (the
+        first compiles of the first step): what ``agree`` will do, without doing it."""
+        k = (self._k if step == self._step else 0) + 1
+        retry = f".{self._retry}" if self._restarted and self._retry else ""
+        first = not self.data_dependent or (k == 1 and not self._declared)
+        checked = not self._after_break and step == 0 and not (recompile or self._restarted) and first
+        return f"{self.prefix}/compile/{step}/{k}{retry}", checked
+
+    def first_says(self, make: Callable[[], str], *, step: int, recompile: bool) -> str | None:
+        """``make()`` of the first rank, on every rank, for a compile checked with every rank
+        (it plans alike on all of them); ``None`` for any other (``make`` not called).
+
+        Example:
+            >>> # timed = lockstep.first_says(measure, step=0, recompile=False)
+        """
+        key, checked = self.upcoming(step=step, recompile=recompile)
+        if not checked:
+            return None
+        what = f"the timing of compile {key.rpartition('/compile/')[2]}"
+        return first_rank_says(
+            default_store(),
+            f"{key}/costs",
+            make,
+            rank=self.rank,
+            ranks=self.ranks,
+            timeout_s=self.timeout_s,
+            what=what,
+        )
+
     def agree(
         self, captured: CapturedGraph, plan: Plan, *, step: int, what: str, recompile: bool = False
     ) -> bool:
@@ -115,17 +146,14 @@ class Lockstep:
         """
         if self._after_break:
             return False
-        if step != self._step:
-            self._step, self._k = step, 0
-        self._k += 1
+        key, checked = self.upcoming(step=step, recompile=recompile)
         again, self._restarted = self._restarted, False
+        self._step, self._k = step, (self._k if step == self._step else 0) + 1
         self._retry = self._retry if again else 0
-        retry = f".{self._retry}" if self._retry else ""
-        key = f"{self.prefix}/compile/{step}/{self._k}{retry}"
-        self.name = f"{step}_{self._k}{retry}"
+        self.name = key.rpartition("/compile/")[2].replace("/", "_")
         recompile = recompile or again
         summary = "\n".join(structure(captured)) + "\nplan:\n" + plan.describe()
-        if step == 0 and not recompile and (not self.data_dependent or (self._k == 1 and not self._declared)):
+        if checked:
             check_agreement(
                 default_store(),
                 key,

@@ -26,34 +26,46 @@ class CostModel:
     Attributes:
         latency_s: Fixed seconds of one all-reduce.
         bytes_per_s: All-reduce throughput in buffer bytes per second.
-        flops_per_s: Dense matrix-multiply rate of one rank.
+        flops_per_s: Dense matrix-multiply rate of one rank (every rank computing at once).
+        cpu_s_per_byte: Compute seconds a rank loses per all-reduced byte while its
+            all-reduces run beside its backward (ranks sharing CPU cores with the
+            communication's threads; 0 on GPUs).
     """
 
     latency_s: float
     bytes_per_s: float
     flops_per_s: float
+    cpu_s_per_byte: float = 0.0
 
     def graph_costs(
         self,
         flops: Sequence[float],
         *,
+        timed: Sequence[float | None] | None = None,
         wire_scale: float = 1.0,
         tail_wire_scale: float = 1.0,
         rows_nbytes: dict[str, int] | None = None,
     ) -> GraphCosts:
         """Planner inputs for a graph whose nodes do ``flops`` forward FLOPs each.
 
-        ``wire_scale`` / ``tail_wire_scale``: bytes sent per gradient byte for the
+        ``timed``: each node's backward as timed on this machine, in FLOPs at the
+        matrix-multiply rate (``capture.timing.backward_work``); a node not timed (or
+        ``timed=None``) costs twice its forward FLOPs. ``wire_scale`` / ``tail_wire_scale``: bytes sent per gradient byte for the
         buckets / for the first segment's bucket (0.5 when compressed to 16 bits).
         ``rows_nbytes``: shared parameters are reduced by use, and these tables by rows
         (``GraphCosts.rows_nbytes``); ``None``: neither.
 
         Example:
-            >>> CostModel(1e-4, 1e8, 1e10).graph_costs([2e9]).node_backward_s
-            (0.4,)
+            >>> CostModel(1e-4, 1e8, 1e10).graph_costs([2e9, 0.0], timed=[None, 1e9]).node_backward_s
+            (0.4, 0.1)
         """
+        timed = timed or [None] * len(flops)
         return GraphCosts(
-            node_backward_s=tuple(2 * f / self.flops_per_s for f in flops),
+            node_backward_s=tuple(
+                (2 * f if w is None else w) / self.flops_per_s for f, w in zip(flops, timed)
+            ),
+            cpu_s_per_byte=self.cpu_s_per_byte,
+            timed_nodes=sum(w is not None for w in timed),
             latency_s=self.latency_s,
             bytes_per_s=self.bytes_per_s,
             wire_scale=wire_scale,
@@ -68,10 +80,13 @@ class CostModel:
         Example:
             >>> CostModel(1e-4, 1.25e8, 2e10).describe()
             'all-reduce 0.10 ms + 8.00 ms/MB (125 MB/s); compute 20.0 GFLOP/s'
+            >>> CostModel(1e-4, 1.25e8, 2e10, cpu_s_per_byte=2e-9).describe()[-28:]
+            '; 2.00 ms of compute lost/MB'
         """
+        cpu = f"; {self.cpu_s_per_byte * 1e9:.2f} ms of compute lost/MB" if self.cpu_s_per_byte else ""
         return (
             f"all-reduce {self.latency_s * 1e3:.2f} ms + {1e9 / self.bytes_per_s:.2f} ms/MB "
-            f"({self.bytes_per_s / 1e6:.0f} MB/s); compute {self.flops_per_s / 1e9:.1f} GFLOP/s"
+            f"({self.bytes_per_s / 1e6:.0f} MB/s); compute {self.flops_per_s / 1e9:.1f} GFLOP/s{cpu}"
         )
 
 
@@ -90,6 +105,8 @@ def reuse_remembered(new: float, old: float, field: str) -> bool:
     """
     if field == "latency_s" and abs(new - old) < 5e-4:
         return True  # sub-millisecond latencies are mostly noise, and plans do not hinge on them
+    if field == "cpu_s_per_byte" and min(new, old) < 1e-10:
+        return max(new, old) < 1e-10  # under 0.1 ms/MB: none to speak of (a core or a GPU per rank)
     return 1 / REUSE_WITHIN <= new / old <= REUSE_WITHIN
 
 

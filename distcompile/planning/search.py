@@ -56,6 +56,10 @@ class GraphCosts:
             the backend can): price their buckets that way.
         rows_nbytes: Parameter name -> estimated bytes of the rows one step looks up in
             it, over all ranks (tables not named: the whole table).
+        cpu_s_per_byte: Backward seconds lost per byte all-reduced while backward runs
+            (communication threads sharing the rank's CPU cores).
+        timed_nodes: How many of ``node_backward_s`` were timed rather than counted (for
+            the log).
     """
 
     node_backward_s: Sequence[float]
@@ -67,6 +71,8 @@ class GraphCosts:
     first_segment_wire_scale: float = 1.0
     split_shared: bool = False
     rows_nbytes: dict[str, int] | None = None
+    cpu_s_per_byte: float = 0.0
+    timed_nodes: int = 0
 
 
 #: Most candidate segment starts the cost search considers (more are thinned by bytes).
@@ -189,7 +195,9 @@ def starts_by_cost(
                 prev = finish[b][k - 1]
                 if prev == inf:
                     continue
-                ready = below[points[a]] + k * costs.segment_backward_s
+                # Backward of nodes[points[a]:] ends late by the CPU its running all-reduces took.
+                lost = costs.cpu_s_per_byte * costs.wire_scale * byte_below[points[b]]
+                ready = below[points[a]] + k * costs.segment_backward_s + lost
                 t = max(ready, prev) + comm
                 if t < finish[a][k]:
                     finish[a][k], choice[a][k] = t, b

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ..capture.timing import matmul_rate
 from ..planning.costs import CostModel, fit_line, reuse_remembered, snap
 
 __all__ = ["measure_costs", "time_allreduce"]
@@ -88,16 +89,42 @@ def _time_matmul(device: torch.device, group: dist.ProcessGroup | None) -> float
                 count += 1
             best = max(best, 2 * n**3 * count / elapsed)
         return best
-    times = []
-    for _ in range(20):
-        _sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    # The fastest run: a busy machine only ever slows a run down (the median of 5 wandered
+    # The fastest of 20: a busy machine only ever slows a run down (the median of 5 wandered
     # between 54 and 88 GFLOP/s across the benchmark's variants on these 2 cores).
-    return 2 * n**3 / max(min(times), 1e-9)
+    return matmul_rate(device, repeats=20)
+
+
+#: Bytes all-reduced beside a compute loop to time what communication costs compute.
+_LOSS_BYTES = 4 * 1024 * 1024
+
+
+def _compute_lost_per_byte(device: torch.device, group: dist.ProcessGroup | None, rate: float) -> float:
+    """Compute seconds one rank loses per byte all-reduced while it computes (a collective).
+
+    On a GPU, none (NCCL's kernels run beside the model's). On CPUs the communication's
+    threads (gloo's copies, sums and sockets) take cores from the ranks' compute when ranks
+    share them: with 8 ranks on 2 cores a backward under its all-reduces ran 381 ms longer
+    than alone. Timed as multiplies counted while an all-reduce runs, against what they take
+    with every rank computing (``rate``); the median of 3.
+    """
+    if device.type != "cpu":
+        return 0.0
+    n = 384
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    each = 2 * n**3 / rate
+    buf = torch.zeros(_LOSS_BYTES // 4)
+    lost = []
+    for _ in range(3):
+        dist.barrier(group=group)
+        work = dist.all_reduce(buf, group=group, async_op=True)
+        count, t0 = 0, time.perf_counter()
+        while not work.is_completed():
+            a @ b
+            count += 1
+        elapsed = time.perf_counter() - t0
+        work.wait()
+        lost.append(max(0.0, elapsed - count * each) / _LOSS_BYTES)
+    return sorted(lost)[1]
 
 
 def measure_costs(
@@ -106,7 +133,8 @@ def measure_costs(
     """Time all-reduces and a matrix multiply on every rank; return the agreed model.
 
     A collective: every rank of ``group`` must call it. Takes about six all-reduces of
-    each probe size (64 KiB, 1 MiB, 4 MiB): 0.2 s on a 1 Gbit/s link, 1.2 s at 200 Mbit/s.
+    each probe size (64 KiB, 1 MiB, 4 MiB), and on CPUs three more of 4 MiB beside a
+    compute loop: 0.3 s on a 1 Gbit/s link, 1.5 s at 200 Mbit/s.
 
     With ``remember_dir``, the group's first rank keeps the model in a file there and the
     next run reuses it while every new measurement is within a factor of
@@ -119,13 +147,17 @@ def measure_costs(
     """
     times = [time_allreduce(b, group=group, device=device) for b in _PROBE_BYTES]
     rate = _time_matmul(device, group)
-    # The slowest rank decides, identically everywhere: max of times, min of rates.
-    agreed = torch.tensor([*times, 1.0 / rate], dtype=torch.float64, device=device)
+    lost = _compute_lost_per_byte(device, group, rate)
+    # The slowest rank decides, identically everywhere: max of times and losses, min of rates.
+    agreed = torch.tensor([*times, 1.0 / rate, lost], dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    *times, inv_rate = agreed.tolist()
+    *times, inv_rate, lost = agreed.tolist()
     latency, per_byte = fit_line(_PROBE_BYTES, times)
     model = CostModel(
-        latency_s=snap(latency), bytes_per_s=snap(1.0 / per_byte), flops_per_s=snap(1.0 / inv_rate)
+        latency_s=snap(latency),
+        bytes_per_s=snap(1.0 / per_byte),
+        flops_per_s=snap(1.0 / inv_rate),
+        cpu_s_per_byte=snap(lost) if lost > 1e-10 else 0.0,
     )
     if remember_dir is not None:
         model = _remembered(model, group=group, device=device, path=_memory_path(remember_dir, group, device))
@@ -141,8 +173,8 @@ def _remembered(
     measured: CostModel, *, group: dist.ProcessGroup | None, device: torch.device, path: str
 ) -> CostModel:
     first = dist.get_global_rank(group, 0) if group is not None else 0
-    fields = ("latency_s", "bytes_per_s", "flops_per_s")
-    stored = [0.0, 0.0, 0.0, 0.0]  # [found, *fields]
+    fields = ("latency_s", "bytes_per_s", "flops_per_s", "cpu_s_per_byte")
+    stored = [0.0] * (1 + len(fields))  # [found, *fields]
     if dist.get_rank() == first:
         try:
             with open(path) as f:

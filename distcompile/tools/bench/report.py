@@ -273,9 +273,11 @@ def _predictions(res: dict) -> list[str]:
     lines = [
         "",
         "The planner's prediction (`bucket_cap_mb='auto'`): predicted step = t_fwd + the cost model's "
-        "backward-and-communication time for the chosen plan (its compute from FLOPs at the measured "
-        "matmul rate, backward taken as twice forward; its all-reduces from the measured latency and "
-        "bandwidth) + t_opt; t_fwd and t_opt from the floor's compute-only steps.",
+        "backward-and-communication time for the chosen plan (each backward node timed on the first "
+        "rank at its first compile and priced at the matmul rate every rank measured computing at once, "
+        "a node not timed at twice its forward FLOPs; the compute the all-reduces take from backward "
+        "per byte, measured at wrap; its all-reduces from the measured latency and bandwidth) + t_opt; "
+        "t_fwd and t_opt from the floor's compute-only steps.",
         "",
     ]
     for n, r in rows:
