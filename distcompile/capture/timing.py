@@ -34,7 +34,7 @@ __all__ = ["backward_work", "matmul_rate"]
 log = logging.getLogger(__name__)
 
 #: Seconds :func:`backward_work` may spend; nodes left after that are priced by FLOPs.
-BUDGET_S = 20.0
+BUDGET_S = 10.0
 
 #: Largest tensor (bytes) a timed node may take or give; bigger nodes are priced by FLOPs.
 MAX_TENSOR_BYTES = 1 << 30
