@@ -9,7 +9,6 @@ number of ranks).
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import json
 import logging
@@ -18,7 +17,6 @@ import socket
 import struct
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 
 import torch.distributed as dist
 
@@ -108,13 +106,11 @@ def first_rank_says(
     ranks: list[int],
     timeout_s: float,
     what: str,
-    waiting: Callable[[], AbstractContextManager] = contextlib.nullcontext,
 ) -> str:
     """``make()`` on the first of ``ranks``, the same text on every rank: one store
     operation a rank. The others wait up to ``timeout_s`` (:class:`DesyncError` naming the
-    first rank after it), inside ``waiting()``. For figures each rank would measure a
-    little differently, which must be equal everywhere (every rank plans the same segments
-    from them).
+    first rank after it). For figures each rank would measure a little differently, which
+    must be equal everywhere (every rank plans the same segments from them).
 
     Example:
         >>> # work = first_rank_says(default_store(), key + "/costs", measure, rank=r,
@@ -126,8 +122,7 @@ def first_rank_says(
         s.set(key, text)
         return text
     try:
-        with waiting():
-            return s.get_within(key, timeout_s).decode()
+        return s.get_within(key, timeout_s).decode()
     except StoreTimeout as exc:
         raise _did_not_compile(rank, [ranks[0]], what, timeout_s) from exc
 

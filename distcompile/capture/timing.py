@@ -10,10 +10,7 @@ tensors: nothing the model holds is read or changed), and times the backward.
 
 A time is turned into work, FLOPs at this process's matrix-multiply rate measured just
 before (:func:`matmul_rate`), so the planner prices it at the rate every rank agreed on
-at ``wrap`` (all ranks computing at once). While one rank times, the others on CPUs keep
-computing (:func:`computing`): ranks that share cores then time as they will train, with
-memory-bound work slowed as much as it will be (timed on an idle machine and scaled by
-the matmul rates, a GPT's backward at 8 ranks on 2 cores came out 13% short).
+at ``wrap`` (all ranks computing at once), whatever else ran while this rank timed.
 
 Only nodes that take and return tensors are run (a call that sets grad mode or enters
 autocast returns none); views count zero (their backward is a view too); a node that
@@ -24,17 +21,15 @@ transformer) are timed once.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import fx
 from torch.fx.node import map_aggregate
 
-__all__ = ["backward_work", "computing", "matmul_rate"]
+__all__ = ["backward_work", "matmul_rate"]
 
 log = logging.getLogger(__name__)
 
@@ -70,35 +65,6 @@ def matmul_rate(device: torch.device, repeats: int = 10) -> float:
         _sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / max(best, 1e-9)
-
-
-@contextlib.contextmanager
-def computing(device: torch.device) -> Iterator[None]:
-    """Matrix multiplies on a thread of this process for the duration, on CPUs (a rank
-    waiting for another's timings loads the cores as it will when training); nothing on
-    GPUs, where ranks do not share a device's compute.
-
-    Example:
-        >>> with computing(torch.device("cpu")):
-        ...     time.sleep(0.01)
-    """
-    if device.type != "cpu":
-        yield
-        return
-    stop = threading.Event()
-
-    def spin() -> None:
-        a = torch.randn(384, 384)
-        while not stop.is_set():
-            a @ a
-
-    thread = threading.Thread(target=spin, name="distcompile-timing-load", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 def _tensors(value: object) -> list[torch.Tensor]:
@@ -156,9 +122,7 @@ def _timed_backward(n: fx.Node, values: dict[fx.Node, object], device: torch.dev
 
 def _timeable(n: fx.Node, values: dict[fx.Node, object]) -> bool:
     out = _tensors(values.get(n))
-    ins = _tensors(
-        map_aggregate((n.args, n.kwargs), lambda a: values.get(a) if isinstance(a, fx.Node) else a)
-    )
+    ins = _tensors(map_aggregate((n.args, n.kwargs), lambda a: values.get(a) if isinstance(a, fx.Node) else a))
     if n.op not in ("call_function", "call_method") or not out or not ins:
         return False
     if not any(o.requires_grad for o in out):

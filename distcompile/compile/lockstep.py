@@ -41,10 +41,8 @@ Notes
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 
 from .._agreement import check_agreement, compile_together, default_store, first_rank_says
 from ..capture.graph import CapturedGraph, structure
@@ -117,17 +115,9 @@ class Lockstep:
         checked = not self._after_break and step == 0 and not (recompile or self._restarted) and first
         return f"{self.prefix}/compile/{step}/{k}{retry}", checked
 
-    def first_says(
-        self,
-        make: Callable[[], str],
-        waiting: Callable[[], AbstractContextManager] = contextlib.nullcontext,
-        *,
-        step: int,
-        recompile: bool,
-    ) -> str | None:
-        """``make()`` of the first rank, on every rank (the others wait inside ``waiting()``),
-        for a compile checked with every rank (it plans alike on all of them); ``None`` for
-        any other (``make`` not called).
+    def first_says(self, make: Callable[[], str], *, step: int, recompile: bool) -> str | None:
+        """``make()`` of the first rank, on every rank, for a compile checked with every rank
+        (it plans alike on all of them); ``None`` for any other (``make`` not called).
 
         Example:
             >>> # timed = lockstep.first_says(measure, step=0, recompile=False)
@@ -144,7 +134,6 @@ class Lockstep:
             ranks=self.ranks,
             timeout_s=self.timeout_s,
             what=what,
-            waiting=waiting,
         )
 
     def agree(

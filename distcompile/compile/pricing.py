@@ -19,7 +19,7 @@ from torch import fx
 
 from ..capture.flops import fake_run
 from ..capture.graph import CapturedGraph, lookup_indices
-from ..capture.timing import backward_work, computing
+from ..capture.timing import backward_work
 from ..planning.costs import CostModel
 from ..planning.plan import GraphCosts
 
@@ -39,13 +39,12 @@ def graph_costs(
     tail_only: bool,
     ranks: int,
     rows: bool,
-    agree: Callable[..., str | None] = lambda make, waiting: None,
+    agree: Callable[[Callable[[], str]], str | None] = lambda make: None,
 ) -> GraphCosts | None:
     """The costs the planner simulates for ``captured``; ``None`` when planning by DDP's caps
     (no measured costs, or FLOPs that cannot be counted). ``compressed``: 16-bit compression,
     of the tail bucket alone when ``tail_only``; ``rows``: tables may be reduced by rows.
-    ``agree(make, waiting)``: one rank's ``make()`` on every rank, the others waiting
-    inside ``waiting()`` (``Lockstep.first_says``), or
+    ``agree(make)``: one rank's ``make()`` on every rank (``Lockstep.first_says``), or
     ``None`` where the ranks do not plan this graph together: backward is then priced by
     FLOPs alone (timings differ a little between ranks, and ranks planning together must
     plan alike).
@@ -74,9 +73,7 @@ def graph_costs(
     tail = half if first_graph or not tail_only else 1.0
     wire = 1.0 if tail_only else half
     device = next((p.device for p in captured.params.values()), torch.device("cpu"))
-    timed = json.loads(
-        agree(lambda: _timed(values, captured.body, device), lambda: computing(device)) or "null"
-    )
+    timed = json.loads(agree(lambda: _timed(values, captured.body, device)) or "null")
     if not timed or len(timed) != len(flops):  # not timed, or another graph (the agreement says so)
         timed = None
     return model.graph_costs(
