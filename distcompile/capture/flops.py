@@ -49,8 +49,8 @@ def fake_run(
             fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
             for x in example_inputs
         ]
-        # Grad mode on, as in training: each fake value says whether backward reaches it.
-        with counter, torch.enable_grad():
+        # In the caller's grad mode (the step's): each fake value says whether backward reaches it.
+        with counter:
             _Counting(gm).run(*fakes)
     return [flops.get(n, 0.0) for n in body], values
 
