@@ -3,10 +3,10 @@
 The control plane's protocols (Note [The control plane]) are unit-tested with 32 simulated
 ranks in ``tests/test_store.py``; here the whole of distcompile runs with 4 and 8 real
 processes: parity with eager DDP (every graph and plan agreed by digest, the layout, the
-heartbeat and lockstep keys), a rank that captured another graph and one that never
-arrives (named within the timeout, on every rank), compiles shared across 4 cache folders
-(each piece compiled once in the job), and Join with ranks that run out of data at
-different steps.
+heartbeat and lockstep keys), a rank that captured another graph (4 ranks) and one that
+never arrives (4 and 8: named within the timeout, on every rank), compiles shared across 4
+cache folders (each piece compiled once in the job), and Join with ranks that run out of
+data at different steps (4 and 8).
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ def test_a_rank_with_another_graph_is_named_on_every_rank_of_4() -> None:
         assert f"rank {rank}: graph 0 differs between rank {rank} and rank" in msg, (rank, msg)
 
 
-def test_a_rank_that_never_arrives_is_named_within_the_timeout_at_4_ranks() -> None:
-    for rank, msg in enumerate(run_ranks(workers.desync_missing, 4, timeout=300)):
+@pytest.mark.parametrize("world", [4, 8])
+def test_a_rank_that_never_arrives_is_named_within_the_timeout(world: int) -> None:
+    for rank, msg in enumerate(run_ranks(workers.desync_missing, world, timeout=300)):
         if rank == 1:
             assert msg == "skipped"
             continue
@@ -90,8 +91,9 @@ def _kb(found: re.Match | None) -> float:
     return float(number) * {"B": 1e-3, "kB": 1.0, "MB": 1e3}[unit]
 
 
-def test_join_with_ranks_out_of_data_at_different_steps_at_4_ranks() -> None:
-    for res in run_ranks(ddp_workers.join_parity, 4, "model", timeout=900):
+@pytest.mark.parametrize("world", [4, 8])
+def test_join_with_ranks_out_of_data_at_different_steps(world: int) -> None:
+    for res in run_ranks(ddp_workers.join_parity, world, "model", timeout=900):
         for a, b in zip(*res["losses"]):
             np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
         for a, b in zip(res["params"], res["ref_params"]):
