@@ -26,7 +26,13 @@ log = logging.getLogger(__name__)
 
 
 #: All-reduce sizes timed to fit latency and bandwidth (bytes).
-_PROBE_BYTES = (64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
+_PROBE_BYTES = (64 * 1024, 1024 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)
+
+#: Repetitions of the largest probe (the fastest is kept): it is what takes time on a slow
+#: link, and buckets of DDP's size (25 MiB) are priced by it: from probes up to 4 MiB alone,
+#: 8 ranks on 2 cores over 1 Gbit/s priced an all-reduce of 21.2 MB at 236-240 ms where it
+#: took 299-307 ms (gloo's sums and copies of large buffers compete for the cores).
+_LARGE_REPEATS = 2
 
 
 #: Repetitions per probe size; the fastest is kept (noise only ever adds time).
@@ -133,8 +139,8 @@ def measure_costs(
     """Time all-reduces and a matrix multiply on every rank; return the agreed model.
 
     A collective: every rank of ``group`` must call it. Takes about six all-reduces of
-    each probe size (64 KiB, 1 MiB, 4 MiB), and on CPUs three more of 4 MiB beside a
-    compute loop: 0.3 s on a 1 Gbit/s link, 1.5 s at 200 Mbit/s.
+    each probe size (64 KiB, 1 MiB, 4 MiB) and three of 16 MiB, and on CPUs three more of
+    4 MiB beside a compute loop: about 1 s on a 1 Gbit/s link, 3.5 s at 200 Mbit/s.
 
     With ``remember_dir``, the group's first rank keeps the model in a file there and the
     next run reuses it while every new measurement is within a factor of
@@ -145,7 +151,12 @@ def measure_costs(
         >>> # cost = measure_costs(group=None, device=torch.device("cpu"))
         >>> # cost.describe() -> 'all-reduce 0.31 ms + 8.1 ms/MB (123 MB/s); compute 31.2 GFLOP/s'
     """
-    times = [time_allreduce(b, group=group, device=device) for b in _PROBE_BYTES]
+    times = [
+        time_allreduce(
+            b, group=group, device=device, repeats=_LARGE_REPEATS if b == _PROBE_BYTES[-1] else _PROBE_REPEATS
+        )
+        for b in _PROBE_BYTES
+    ]
     rate = _time_matmul(device, group)
     lost = _compute_lost_per_byte(device, group, rate)
     # The slowest rank decides, identically everywhere: max of times and losses, min of rates.
