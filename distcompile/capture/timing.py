@@ -8,15 +8,18 @@ predicted 782 ms of backward and communication where backward alone took 1,033 m
 shapes, dtypes and devices the captured graph has there (never on the model's own
 tensors: nothing the model holds is read or changed), and times the backward.
 
-A time is turned into work, FLOPs at this process's matrix-multiply rate measured just
-before (:func:`matmul_rate`), so the planner prices it at the rate every rank agreed on
-at ``wrap`` (all ranks computing at once), whatever else ran while this rank timed.
+A time is turned into work, FLOPs at this process's matrix-multiply rate measured right
+after it (a 384x384 multiply, the faster of two), so the planner prices it at the rate
+every rank agreed on at ``wrap`` (all ranks computing at once), and whatever else ran on
+the machine while this rank timed slows both alike. (Converted at one rate measured
+before all the timings, three runs of 8 ranks on 2 cores predicted the step from 19%
+short to 23% long.)
 
-Only nodes that take and return tensors are run (a call that sets grad mode or enters
-autocast returns none); views count zero (their backward is a view too); a node that
-fails on random values (an index out of range, a probability of zero) is priced by its
-FLOPs instead. Random number state is put back. Identical nodes (the layers of a
-transformer) are timed once.
+Only nodes that take and return tensors, and whose output backward reaches, are run (a
+call that sets grad mode or enters autocast returns none); a node that fails on random
+values is priced by its FLOPs instead, as is a node met after ``BUDGET_S`` seconds of
+timing or one with a tensor over ``MAX_TENSOR_BYTES``. Random number state and grad mode
+are put back. Identical nodes (the layers of a transformer) are timed once.
 """
 
 from __future__ import annotations
@@ -98,7 +101,8 @@ def _call(n: fx.Node, args: tuple, kwargs: dict) -> object:
 
 
 def _timed_backward(n: fx.Node, values: dict[fx.Node, object], device: torch.device) -> float:
-    """Seconds of ``n``'s backward on random inputs, the faster of two runs."""
+    """``n``'s backward on random inputs in FLOPs at the matmul rate of the moment: its
+    seconds (the faster of two runs) over a multiply's right after (the faster of two)."""
 
     def real(a: object) -> object:
         v = values.get(a) if isinstance(a, fx.Node) else a
@@ -117,12 +121,14 @@ def _timed_backward(n: fx.Node, values: dict[fx.Node, object], device: torch.dev
         torch.autograd.grad(outs, need, grads, allow_unused=True)
         _sync(device)
         best = min(best, time.perf_counter() - t0)
-    return best
+    return best * matmul_rate(device, repeats=2)
 
 
 def _timeable(n: fx.Node, values: dict[fx.Node, object]) -> bool:
     out = _tensors(values.get(n))
-    ins = _tensors(map_aggregate((n.args, n.kwargs), lambda a: values.get(a) if isinstance(a, fx.Node) else a))
+    ins = _tensors(
+        map_aggregate((n.args, n.kwargs), lambda a: values.get(a) if isinstance(a, fx.Node) else a)
+    )
     if n.op not in ("call_function", "call_method") or not out or not ins:
         return False
     if not any(o.requires_grad for o in out):
@@ -163,7 +169,6 @@ def backward_work(
     start = clock()
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
-        rate = matmul_rate(device)
         for n in body:
             if not _timeable(n, values):
                 work.append(None)
@@ -174,7 +179,7 @@ def backward_work(
                     seen[key] = None
                 else:
                     try:
-                        seen[key] = _timed_backward(n, values, device) * rate
+                        seen[key] = _timed_backward(n, values, device)
                     except Exception as exc:  # noqa: BLE001 - priced by its FLOPs instead
                         log.debug(
                             "bucket_cap_mb='auto': cannot time %s (%s: %s)", n.name, type(exc).__name__, exc

@@ -283,7 +283,12 @@ class GraphCompiler:
             tail_only=t.config.compression_scope == "tail",
             ranks=len(t.ranks),
             rows=self._splits,
-            agree=functools.partial(self.lockstep.first_says, step=self.registry.steps, recompile=again),
+            agree=functools.partial(
+                self.lockstep.first_says,
+                step=self.registry.steps,
+                recompile=again,
+                what=f"graph {len(self.records)}",
+            ),
         )
         plan = plan_graph(
             captured.nodes,

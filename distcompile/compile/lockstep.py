@@ -115,17 +115,16 @@ class Lockstep:
         checked = not self._after_break and step == 0 and not (recompile or self._restarted) and first
         return f"{self.prefix}/compile/{step}/{k}{retry}", checked
 
-    def first_says(self, make: Callable[[], str], *, step: int, recompile: bool) -> str | None:
+    def first_says(self, make: Callable[[], str], *, step: int, recompile: bool, what: str) -> str | None:
         """``make()`` of the first rank, on every rank, for a compile checked with every rank
         (it plans alike on all of them); ``None`` for any other (``make`` not called).
 
         Example:
-            >>> # timed = lockstep.first_says(measure, step=0, recompile=False)
+            >>> # timed = lockstep.first_says(measure, step=0, recompile=False, what="graph 0")
         """
         key, checked = self.upcoming(step=step, recompile=recompile)
         if not checked:
             return None
-        what = f"the timing of compile {key.rpartition('/compile/')[2]}"
         return first_rank_says(
             default_store(),
             f"{key}/costs",

@@ -83,11 +83,11 @@ def _time_matmul(device: torch.device, group: dist.ProcessGroup | None) -> float
     if device.type == "cpu":
         # Every rank at once, for a window each: ranks that share cores (more ranks than
         # cores on a node) compute at the rate they will have in a step, where all of them
-        # compute together. The best of 3 windows: a busy machine only ever slows one down.
+        # compute together. The best of 5 windows: a busy machine only ever slows one down.
         # (Timing single multiplies and keeping the fastest measured one rank alone: with 8
         # ranks on 2 cores it gave 137 GFLOP/s where a rank computed at about a quarter.)
         best = 0.0
-        for _ in range(3):
+        for _ in range(5):
             dist.barrier(group=group)
             count, t0 = 0, time.perf_counter()
             while (elapsed := time.perf_counter() - t0) < 0.1:
