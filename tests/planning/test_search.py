@@ -150,3 +150,22 @@ def test_among_plans_the_model_cannot_tell_apart_the_smallest_tail_wins(preamble
         _simulate([s for s, _ in plan.segments], nodes, sizes, costs)
         <= _best_by_brute_force(nodes, sizes, costs) * 1.01
     )
+
+
+def test_compute_lost_to_communication_delays_backward_and_can_keep_bytes_for_the_end() -> None:
+    """``cpu_s_per_byte``: bytes all-reduced while backward runs take compute from it (ranks
+    sharing cores with the communication's threads)."""
+    from distcompile.planning.search import starts_by_cost
+
+    nodes = [NodeInfo(f"n{i}", (f"p{i}",), i + 1) for i in range(4)]
+    sizes = [4_000_000] * 4
+    free = GraphCosts([0.1] * 4, latency_s=1e-3, bytes_per_s=1e8)
+    starts, predicted = starts_by_cost(nodes, sizes, free)
+    assert len(starts) > 1  # a free link overlaps backward: several buckets
+    # The same plan priced with a loss: backward ends later by the bytes sent while it ran.
+    lossy = GraphCosts([0.1] * 4, latency_s=1e-3, bytes_per_s=1e8, cpu_s_per_byte=1e-9)
+    _, lossy_predicted = starts_by_cost(nodes, sizes, lossy)
+    assert lossy_predicted > predicted
+    # Losing more compute per byte than the link takes to send it: keep every byte for the end.
+    dear = GraphCosts([0.1] * 4, latency_s=1e-3, bytes_per_s=1e8, cpu_s_per_byte=1e-7)
+    assert starts_by_cost(nodes, sizes, dear)[0] == [0]
