@@ -133,11 +133,9 @@ def _timeable(n: fx.Node, values: dict[fx.Node, object]) -> bool:
         return False
     if not any(o.requires_grad for o in out):
         return False  # backward never reaches it
-    try:
-        sizes = [t.numel() * t.element_size() for t in (*out, *ins)]
-    except Exception:  # noqa: BLE001 - sizes that follow the data: not timeable
-        return False
-    return max(sizes) <= MAX_TENSOR_BYTES
+    sizes = [t.numel() * t.element_size() for t in (*out, *ins)]
+    # A size that follows the data (a symbol, not a number) cannot be made up: not timed.
+    return all(type(b) is int for b in sizes) and max(sizes) <= MAX_TENSOR_BYTES
 
 
 def backward_work(
