@@ -52,13 +52,15 @@ def test_benchmark_end_to_end_on_loopback(tmp_path: Path) -> None:
             r.get("cold_first_step_s", 0) > 0
         ) == alone, r
         assert (r.get("peak_rss_mb", 0) > 100) == alone, (name, r)  # torch alone is more: a real measurement
+        # The ranks' CPU a step, gloo's threads included: some, and no more than the cores give.
+        assert 0 < r["cpu_ms"] <= 1.1 * r["max_ms"] and 0 < r["busy_pct"] <= 110, (name, r)
     assert res["floor"]["floor_ms"] > 0 and res["meta"]["link"] == "loopback"
     assert res["floor"]["cpu_floor_ms"] >= res["floor"]["floor_ms"]
     assert all(p.startswith("measured costs") for p in res["variants"]["dc_auto"]["plan"]["planned_by"])
     md = js.with_suffix(".md").read_text()
     assert "floor" in md and "torch" in md and "dc_inductor_bf16" in md and "- dc_auto: [" in md
     assert res["variants"]["dc_auto"]["tail_mb"] > 0 and res["variants"]["dc_auto"]["comm_ms"] > 0
-    assert "vs floor" in proc.stdout
+    assert "vs floor" in proc.stdout and "busy %" in proc.stdout
 
 
 @pytest.mark.long

@@ -147,6 +147,8 @@ def table(res: dict) -> str:
             "vs DDPOpt",
             "vs floor",
             "vs CPU floor",
+            "CPU ms",
+            "busy %",
             *FIGURE_HEADS,
             "cold s",
             "warm s",
@@ -170,6 +172,8 @@ def table(res: dict) -> str:
                 _ratio(m, v.get("compile_ddpopt", {})),
                 _fmt(m / floor, "x", 3),
                 _fmt(m / res["floor"]["cpu_floor_ms"] if "cpu_floor_ms" in res["floor"] else None, "x", 3),
+                _fmt(r.get("cpu_ms")),
+                _fmt(r.get("busy_pct"), nd=0),
                 *_figure_cells(r),
                 _fmt(r.get("cold_first_step_s"), "", 2),
                 _fmt(r.get("warm_first_step_s"), "", 2),
@@ -228,7 +232,11 @@ def report_markdown(res: dict) -> str:
                 table(res),
                 "```",
                 "",
-                "comm / overlapped / exposed ms, overlap %: distcompile's telemetry, per step, mean over the measured "
+                ("" if gpu else "CPU ms: the CPU time a rank's process spends a step, all its threads (gloo's "
+                 "included), the ranks' mean, median over the steps; busy %: the ranks' CPU time over the step "
+                 "times the cores (every rank runs on this machine). Near 100% the cores, not the link, set the "
+                 "step: overlap hides the wait for the link but not the CPU the all-reduces take. ")
+                + "comm / overlapped / exposed ms, overlap %: distcompile's telemetry, per step, mean over the measured "
                 "steps of rank 0 (docs/telemetry.md: communication = union of all-reduce spans, overlapped = the part "
                 "under computation, exposed = the rest; overlap % = overlapped / communication); `-`: not measured "
                 "(the other variants have no such telemetry). wait ms: host time blocked on communication (rank skew "

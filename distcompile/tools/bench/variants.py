@@ -87,6 +87,8 @@ class Variant:
         ctx: Entered around forward and backward (compiled autograd for that variant).
         warm: Set once its compiles are done; later steps switch no global setting.
         times: Seconds of each timed step (on CUDA: GPU time between events around it).
+        cpu: CPU seconds this process (all its threads, gloo's included) spent in each timed
+            step (CPU only).
         events: CUDA events around the steps not read yet (CUDA only).
     """
 
@@ -97,6 +99,7 @@ class Variant:
     ctx: Callable = contextlib.nullcontext
     warm: bool = False
     times: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
     events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
 
     def step(self, w: Workload) -> float:

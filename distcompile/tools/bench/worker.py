@@ -131,9 +131,11 @@ def _run_rounds(w: Workload, variants: list[Variant], results: dict[str, dict]) 
             for v in variants:
                 t0 = time.perf_counter()
                 for _ in range(w.args.block):
+                    cpu0 = time.process_time()
                     seconds = v.step(w)
                     if not w.cuda:
                         v.times.append(seconds)
+                        v.cpu.append(time.process_time() - cpu0)
                     if v.name.startswith("dc_"):
                         results[v.name].setdefault("_figures", []).append(v.model.last_step.figures())
                 if w.cuda:  # one wait per block: the host runs ahead within it, as in training
@@ -151,6 +153,8 @@ def _summarize(w: Workload, variants: list[Variant], results: dict[str, dict], c
         ms = [x * 1e3 for x in t.tolist()]
         r = results[v.name]
         r.update(median_ms=statistics.median(ms), min_ms=min(ms), max_ms=max(ms), steps=len(ms))
+        if v.cpu:
+            r.update(_cpu_figures(w, v.cpu, t.tolist()))
         if "_wall" in r:
             wall = torch.tensor(r.pop("_wall"), dtype=torch.float64, device=w.device)
             dist.all_reduce(wall, op=dist.ReduceOp.MAX)
@@ -164,6 +168,26 @@ def _summarize(w: Workload, variants: list[Variant], results: dict[str, dict], c
             r["tail_mb"] = v.model.last_step.tail_bytes / 1e6
         if compute_step:
             r["over_compute_ms"] = r["median_ms"] - compute_step
+
+
+def _cpu_figures(w: Workload, cpu: list[float], steps: list[float]) -> dict:
+    """The CPU the job spends a step, and how busy that keeps this machine's cores.
+
+    ``cpu_ms``: each step's CPU time summed over the ranks (every thread of each rank's
+    process, gloo's included), over the ranks: the median. ``busy_pct``: that sum over the
+    step's wall time times the cores this process may run on, median over steps. Near 100%
+    the step is set by the CPU work the ranks share the cores with, not by waiting: overlap
+    can hide communication's wait but not the CPU time the all-reduces themselves take
+    (every rank of the benchmark runs on this one machine).
+    """
+    job = torch.tensor(cpu, dtype=torch.float64, device=w.device)
+    dist.all_reduce(job)
+    cores = len(os.sched_getaffinity(0))
+    busy = [c / (cores * s) for c, s in zip(job.tolist(), steps) if s > 0]
+    return {
+        "cpu_ms": statistics.median(job.tolist()) / w.world * 1e3,
+        "busy_pct": 100 * statistics.median(busy),
+    }
 
 
 def _meta(w: Workload) -> dict:
