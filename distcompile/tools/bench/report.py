@@ -199,6 +199,14 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+_CPU_COLUMNS = (
+    "CPU ms: the CPU time a rank's process spends a step, all its threads (gloo's included), the ranks' "
+    "mean, median over the steps; busy %: the ranks' CPU time over the step times the cores (every rank "
+    "runs on this machine). Near 100% the cores, not the link, set the step: overlap hides the wait for "
+    "the link but not the CPU the all-reduces take. "
+)
+
+
 def report_markdown(res: dict) -> str:
     """The dated markdown report: machine, link, versions, command, the table, and the plans.
 
@@ -232,10 +240,7 @@ def report_markdown(res: dict) -> str:
                 table(res),
                 "```",
                 "",
-                ("" if gpu else "CPU ms: the CPU time a rank's process spends a step, all its threads (gloo's "
-                 "included), the ranks' mean, median over the steps; busy %: the ranks' CPU time over the step "
-                 "times the cores (every rank runs on this machine). Near 100% the cores, not the link, set the "
-                 "step: overlap hides the wait for the link but not the CPU the all-reduces take. ")
+                ("" if gpu else _CPU_COLUMNS)
                 + "comm / overlapped / exposed ms, overlap %: distcompile's telemetry, per step, mean over the measured "
                 "steps of rank 0 (docs/telemetry.md: communication = union of all-reduce spans, overlapped = the part "
                 "under computation, exposed = the rest; overlap % = overlapped / communication); `-`: not measured "
