@@ -10,6 +10,9 @@ functions, unmodified, with synthetic inputs of stated sizes (no model, no compi
 
 - ``agreement``: ``_agreement.check_agreement`` of one graph's summary (the captured
   graph's structure and its plan: ``--summary-kb``), as the first step does per graph;
+- ``costs``: ``_agreement.first_rank_says`` of the backward timings ``bucket_cap_mb="auto"``
+  shares at the first step's compiles (one figure per summary line, as JSON), which the
+  first rank measures and the others read;
 - ``layout``: ``_agreement.layouts_agree`` of a bucket layout of 64 buckets;
 - ``recompile``: ``_agreement.compile_together`` (whether the ranks recompile together);
 - ``peers``: ``compile.peers.folder_of`` and ``warm_ranks`` with one folder per 2 ranks;
@@ -49,7 +52,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-PHASES = ("agreement", "layout", "recompile", "peers", "sharing")
+PHASES = ("agreement", "costs", "layout", "recompile", "peers", "sharing")
 #: One graph's distinct pieces in the ``sharing`` phase.
 PIECES = 4
 
@@ -117,11 +120,20 @@ class _Client:
 
 
 def _phase_calls(summary: str, layout: list[list[str]], payload_kb: float) -> dict[str, Callable]:
-    from distcompile._agreement import check_agreement, compile_together, layouts_agree
+    from distcompile._agreement import check_agreement, compile_together, first_rank_says, layouts_agree
     from distcompile.compile.peers import folder_of, warm_ranks
 
     def agreement(store: _Client, rank: int, ranks: list[int], key: str) -> None:
         check_agreement(store, key, summary, rank=rank, ranks=ranks, timeout_s=600, what="graph 0")
+
+    timed = json.dumps([1.2345678e9] * summary.count("\n"))  # one backward's work per node
+
+    def costs(store: _Client, rank: int, ranks: list[int], key: str) -> None:
+        if (
+            first_rank_says(store, key, lambda: timed, rank=rank, ranks=ranks, timeout_s=600, what="graph 0")
+            != timed
+        ):
+            raise RuntimeError("the timings differ")
 
     def layout_(store: _Client, rank: int, ranks: list[int], key: str) -> None:
         if layouts_agree(store, key, layout, rank=rank, ranks=ranks, timeout_s=600) is None:
@@ -137,6 +149,7 @@ def _phase_calls(summary: str, layout: list[list[str]], payload_kb: float) -> di
 
     return {
         "agreement": agreement,
+        "costs": costs,
         "layout": layout_,
         "recompile": recompile,
         "peers": peers,

@@ -119,6 +119,20 @@ def test_compile_scaling_mode_writes_table_and_json(tmp_path: Path) -> None:
     assert "cold vs regional" in proc.stdout and js.with_suffix(".md").exists()
 
 
+@pytest.mark.long  # a store server in a process of its own, and 10 simulated ranks: ~30 s, mostly waiting
+def test_control_plane_simulator_runs_the_real_protocols_in_a_few_store_operations(tmp_path: Path) -> None:
+    proc = _bench(tmp_path, "--control-plane", "--ranks", "2,8", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (js,) = tmp_path.glob("*-control-plane.json")
+    results = json.loads(js.read_text())["results"]
+    for n in ("2", "8"):
+        assert list(results[n]) == ["agreement", "costs", "layout", "recompile", "peers", "sharing"]
+        for phase, r in results[n].items():
+            assert not r["errors"] and r["ops_per_rank_max"] > 0, (n, phase, r)
+            assert r["ops_per_rank_max"] <= (40 if phase == "sharing" else 12), (n, phase, r)
+        assert results[n]["costs"]["ops_per_rank_max"] == 1  # the first rank sets, each other gets
+
+
 def test_a_shaped_star_of_namespaces_connects_every_node_and_leaves_nothing() -> None:
     """``--nodes`` above 2: nodes on one switch, each port shaped; all gone on exit."""
     from distcompile.tools.bench.netns import can_make_namespaces, star
