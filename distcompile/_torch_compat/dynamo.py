@@ -13,6 +13,7 @@ from torch import fx
 from .version import unsupported
 
 __all__ = [
+    "autocast_change",
     "backend_failure_cause",
     "compile_cache_hits",
     "compile_module",
@@ -278,6 +279,28 @@ def dynamo_control_flow() -> tuple[type[BaseException], ...]:
     from torch._dynamo.exc import RestartAnalysis, SkipFrame
 
     return (RestartAnalysis, SkipFrame)
+
+
+def autocast_change(node: fx.Node) -> tuple | None:
+    """What a captured ``with torch.autocast(...)`` does at ``node``: its enter node gives the
+    arguments of :class:`torch.autocast` it entered (device type, dtype, enabled, cache);
+    its exit node ``()``; any other node ``None``. Checked: 2.13, 2.15 (TorchDynamo records
+    the block as calls of ``torch.amp.autocast_mode._enter_autocast(*args)`` and
+    ``_exit_autocast(mode)``).
+
+    Example:
+        >>> g = fx.Graph(); x = g.placeholder("x")
+        >>> autocast_change(g.call_function(torch.relu, (x,))) is None
+        True
+    """
+    if node.op != "call_function":
+        return None
+    amp = torch.amp.autocast_mode
+    if node.target is getattr(amp, "_enter_autocast", None):
+        return tuple(node.args)
+    if node.target is getattr(amp, "_exit_autocast", None):
+        return ()
+    return None
 
 
 def graph_break_parts(gm: fx.GraphModule) -> tuple[str, list] | None:

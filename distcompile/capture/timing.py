@@ -16,7 +16,10 @@ before all the timings, three runs of 8 ranks on 2 cores predicted the step from
 short to 23% long.)
 
 Only nodes that take and return tensors, and whose output backward reaches, are run (a
-call that sets grad mode or enters autocast returns none); a node that fails on random
+call that sets grad mode or enters autocast returns none); a node inside a ``with
+torch.autocast(...)`` block the graph captured runs its forward under that autocast, as
+the model's does (an autocast around the whole call is in force already: the first
+step's compile runs inside the model's forward); a node that fails on random
 values is priced by its FLOPs instead, as is a node met after ``BUDGET_S`` seconds of
 timing or one with a tensor over ``MAX_TENSOR_BYTES``. Random number state and grad mode
 are put back. Identical nodes (the layers of a transformer) are timed once.
@@ -24,6 +27,7 @@ are put back. Identical nodes (the layers of a transformer) are timed once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +35,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import fx
 from torch.fx.node import map_aggregate
+
+from .. import _torch_compat as compat
 
 __all__ = ["backward_work", "matmul_rate"]
 
@@ -100,9 +106,12 @@ def _call(n: fx.Node, args: tuple, kwargs: dict) -> object:
     return getattr(args[0], n.target)(*args[1:], **kwargs)
 
 
-def _timed_backward(n: fx.Node, values: dict[fx.Node, object], device: torch.device) -> float:
+def _timed_backward(
+    n: fx.Node, values: dict[fx.Node, object], device: torch.device, autocast: tuple | None
+) -> float:
     """``n``'s backward on random inputs in FLOPs at the matmul rate of the moment: its
-    seconds (the faster of two runs) over a multiply's right after (the faster of two)."""
+    seconds (the faster of two runs) over a multiply's right after (the faster of two).
+    ``autocast``: the arguments of the ``torch.autocast`` its forward runs under, if any."""
 
     def real(a: object) -> object:
         v = values.get(a) if isinstance(a, fx.Node) else a
@@ -112,7 +121,8 @@ def _timed_backward(n: fx.Node, values: dict[fx.Node, object], device: torch.dev
     need = [t for t in _tensors((args, kwargs)) if t.requires_grad]
     best = float("inf")
     for _ in range(2):
-        outs = [o for o in _tensors(_call(n, args, kwargs)) if o.grad_fn is not None]
+        with torch.autocast(*autocast) if autocast else contextlib.nullcontext():
+            outs = [o for o in _tensors(_call(n, args, kwargs)) if o.grad_fn is not None]
         if not outs or not need:
             return 0.0
         grads = [torch.ones_like(o) for o in outs]
@@ -164,20 +174,24 @@ def backward_work(
     """
     seen: dict[str, float | None] = {}
     work: list[float | None] = []
+    autocast: list[tuple] = []  # the graph's own autocast blocks, innermost last
     start = clock()
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         for n in body:
-            if not _timeable(n, values):
+            change = compat.autocast_change(n)
+            if change is not None:
+                autocast = [*autocast, change] if change else autocast[:-1]
+            if change is not None or not _timeable(n, values):
                 work.append(None)
                 continue
-            key = _signature(n, values)
+            key = _signature(n, values) + repr(autocast[-1:])
             if key not in seen:
                 if clock() - start > budget_s:
                     seen[key] = None
                 else:
                     try:
-                        seen[key] = _timed_backward(n, values, device)
+                        seen[key] = _timed_backward(n, values, device, autocast[-1] if autocast else None)
                     except Exception as exc:  # noqa: BLE001 - priced by its FLOPs instead
                         log.debug(
                             "bucket_cap_mb='auto': cannot time %s (%s: %s)", n.name, type(exc).__name__, exc

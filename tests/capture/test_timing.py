@@ -3,10 +3,13 @@ priced without touching the model, and never an exception."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from distcompile import _torch_compat as compat
 from distcompile.capture.flops import fake_run
 from distcompile.capture.timing import backward_work, matmul_rate
 from distcompile.planning.costs import CostModel
@@ -35,7 +38,7 @@ def _captured(model: nn.Module, *inputs: torch.Tensor) -> tuple[fx.GraphModule, 
         graphs.append((gm, example_inputs))
         return gm.forward
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     torch.compile(model, backend=backend)(*inputs)
     return graphs[0]
 
@@ -94,3 +97,41 @@ def test_the_time_budget_leaves_the_rest_to_flops() -> None:
     ticks = iter(range(100))
     work = backward_work(values, body, device=CPU, budget_s=2.5, clock=lambda: float(next(ticks)))
     assert work[0] is not None and work[1] is not None and work[2] is None, work
+
+
+def test_a_node_inside_the_models_autocast_block_is_timed_under_that_autocast() -> None:
+    seen: list[bool] = []
+
+    @torch.compiler.allow_in_graph
+    def probe(x: torch.Tensor) -> torch.Tensor:  # records whether autocast is on where it runs
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return x * 2
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = probe(self.lin(x))
+            return probe(y.float())
+
+    captured = []
+
+    def grab(gm: fx.GraphModule, inputs: list) -> Callable:
+        captured.append((gm, inputs))
+        return gm.forward
+
+    torch.compiler.reset()
+    torch.compile(Model(), backend=grab, fullgraph=True)(torch.randn(4, 16))
+    ((gm, inputs),) = captured
+    body = [n for n in gm.graph.nodes if n.op.startswith("call_")]
+    _, values = fake_run(gm, inputs, body)
+    seen.clear()
+    work = dict(zip([n.name for n in body], backward_work(values, body, device=CPU)))
+    # Each timed node runs its forward twice (the faster backward counts): inside, then outside.
+    assert seen == [True, True, False, False], seen
+    assert not torch.is_autocast_enabled("cpu")  # left as it was
+    assert all(work[n.name] is None for n in body if compat.autocast_change(n) is not None)
+    assert [work[n.name] is not None for n in body if n.target is probe] == [True, True], work
