@@ -19,7 +19,9 @@ pytestmark = pytest.mark.skipif(REAL is None, reason="no g++ on this machine")
 SOURCE = 'extern "C" int value() { return VALUE + EXTRA; }\n'  # EXTRA: from the -include'd header
 
 
-def _compile(tmp: Path, folder: str, cache: Path, *flags: str, header: str = "#define EXTRA 0\n"):
+def _compile(
+    tmp: Path, folder: str, cache: Path, *flags: str, header: str = "#define EXTRA 0\n"
+) -> tuple[subprocess.CompletedProcess, Path]:
     src_dir = tmp / folder
     src_dir.mkdir(exist_ok=True)
     (src_dir / "value.h").write_text(header)
