@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / ".ci" / "cxx-cache"
-REAL = shutil.which("g++")
+# Under .ci/run, "g++" on PATH is the cache itself: the compiler is the one it names.
+REAL = os.environ.get("DISTCOMPILE_CI_REAL_CXX") or shutil.which("g++")
 pytestmark = pytest.mark.skipif(REAL is None, reason="no g++ on this machine")
 
 SOURCE = 'extern "C" int value() { return VALUE + EXTRA; }\n'  # EXTRA: from the -include'd header
@@ -80,3 +81,13 @@ def test_other_calls_and_an_unset_cache_run_the_compiler_itself(tmp_path: Path) 
     args = [str(tmp_path / "k.cpp"), "-shared", "-fPIC", "-o", str(tmp_path / "k.so")]
     assert subprocess.run([sys.executable, str(SCRIPT), *args], env=env).returncode == 0
     assert _value(tmp_path / "k.so") == 7
+
+
+def test_the_cache_named_as_its_own_compiler_refuses_instead_of_calling_itself(tmp_path: Path) -> None:
+    env = {**os.environ, "DISTCOMPILE_CI_REAL_CXX": str(SCRIPT), "DISTCOMPILE_CI_CXX_CACHE": str(tmp_path)}
+    (tmp_path / "k.cpp").write_text('extern "C" int value() { return 7; }\n')
+    args = [str(tmp_path / "k.cpp"), "-shared", "-o", str(tmp_path / "k.so")]
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 2 and "is this script" in proc.stderr, proc.stderr
