@@ -33,7 +33,9 @@ def _make_telemetry(config: Config, inner: nn.Module, settings: Settings) -> Tel
         run_dir: str | None = os.path.join(config.logdir, f"rank{rank}")
     else:
         run_dir = config.logdir if rank == settings.ranks[0] else None
-    device = settings.device or next((p.device for p in inner.parameters()), torch.device("cpu"))
+    device = settings.device or next(
+        (p.device for p in inner.parameters() if not p.is_meta), torch.device("cpu")
+    )
     return Telemetry(
         run_dir=run_dir,
         trace_dir=os.path.join(config.logdir, "traces"),

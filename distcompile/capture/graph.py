@@ -17,10 +17,18 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from .._errors import UnsupportedModelError
 from ..planning.plan import NodeInfo
 from .blocks import find_blocks
 
-__all__ = ["CapturedGraph", "read_graph", "own_forward_code", "structure", "lookup_indices"]
+__all__ = [
+    "CapturedGraph",
+    "read_graph",
+    "own_forward_code",
+    "structure",
+    "lookup_indices",
+    "refuse_untracked",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +117,57 @@ def read_graph(
     return CapturedGraph(
         body=body, nodes=tuple(nodes), params=params, blocks=find_blocks(body), sealed=_sealed(body)
     )
+
+
+def _untracked(
+    gm: fx.GraphModule, example_inputs: Sequence[object], known: set[int] | frozenset[int]
+) -> list[torch.nn.Parameter]:
+    """The trainable ``nn.Parameter``s ``gm`` receives or reads whose ``id`` is not in ``known``.
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> gm = fx.symbolic_trace(lin)
+        >>> [tuple(p.shape) for p in _untracked(gm, [torch.zeros(1, 2)], {id(lin.bias)})]
+        [(2, 2)]
+    """
+    values = list(example_inputs)[: sum(1 for n in gm.graph.nodes if n.op == "placeholder")]
+    values += [_get_attr(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr"]
+    values += [
+        p
+        for n in gm.graph.nodes
+        if n.op == "call_module"
+        for p in gm.get_submodule(str(n.target)).parameters()
+    ]
+    found: dict[int, torch.nn.Parameter] = {}
+    for v in values:
+        if isinstance(v, torch.nn.Parameter) and v.requires_grad and id(v) not in known:
+            found.setdefault(id(v), v)
+    return list(found.values())
+
+
+def refuse_untracked(
+    gm: fx.GraphModule, example_inputs: Sequence[object], known: set[int], *, rank: int, graph_id: int
+) -> None:
+    """Raise if ``gm`` reads a trainable parameter not in ``known`` (the reducer's, and those DDP
+    ignores): its gradient would never be averaged (Note [Parameters that change after wrap]).
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> refuse_untracked(fx.symbolic_trace(lin), [torch.zeros(1, 2)], {id(p) for p in lin.parameters()},
+        ...                  rank=0, graph_id=0)
+    """
+    found = _untracked(gm, example_inputs, known)
+    if found:
+        shapes = ", ".join(f"{tuple(p.shape)} {p.dtype}" for p in found[:4])
+        raise UnsupportedModelError(
+            f"rank {rank}: graph {graph_id} reads {len(found)} trainable parameter(s) ({shapes}) that the "
+            "wrapped model did not hold when distcompile last took its parameters, so their gradients "
+            "would never be averaged across ranks. A parameter the model registers (a new module "
+            "assigned, unfreezing, load_state_dict(assign=True)) is taken at the next training forward; "
+            "a parameter from outside the model (another module's, passed in or read from a closure) is "
+            "not: register it in the wrapped model, or detach it / set requires_grad=False if it is not "
+            "meant to train here."
+        )
 
 
 def _unbacked(value: object) -> set:

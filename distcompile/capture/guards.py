@@ -12,7 +12,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-__all__ = ["condense_guard_failures", "recompile_note"]
+from .._errors import RecompileError
+
+__all__ = ["condense_guard_failures", "recompile_forbidden", "recompile_note"]
 
 _VERSION = re.compile(r"^(?P<version>\d+/\d+): ")
 #: A guarded value (``== 6``, ``expected 16``); indices and names stay, so that guards on
@@ -62,3 +64,19 @@ def recompile_note(reasons: Sequence[str]) -> str:
     if not reasons:
         return ""
     return f" (recompile: {reasons[0].split('  #')[0].strip()}, {len(reasons)} failed guard(s))"
+
+
+def recompile_forbidden(reasons: Sequence[str], *, rank: int, steps: int) -> RecompileError:
+    """The error for a recompile after warm-up under ``recompile='error'``.
+
+    Example:
+        >>> str(recompile_forbidden(["0/0: x.size()[0] == 4"], rank=0, steps=3)).split(" because")[0]
+        'rank 0: TorchDynamo is recompiling after 3 step(s)'
+    """
+    return RecompileError(
+        f"rank {rank}: TorchDynamo is recompiling after {steps} step(s) because "
+        f"guard(s) {list(reasons)!r} failed, and recompile='error' forbids recompiles after "
+        "warm-up. Keep input shapes, dtypes and module flags (train/eval) constant, mark varying "
+        "dimensions with torch._dynamo.mark_dynamic(x, dim) or wrap(..., dynamic=True) before "
+        "the first step, or use recompile='allow'."
+    )

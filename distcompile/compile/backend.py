@@ -31,11 +31,11 @@ from .. import _events
 from .. import _torch_compat as compat
 from .._agreement import default_store
 from .._config import Config
-from .._errors import CompileError, DistCompileError, RecompileError
+from .._errors import CompileError, DistCompileError
 from .._store import control_plane_counts, describe_counts
 from ..capture.breaks import graph_break_reason, is_data_dependent
-from ..capture.graph import CapturedGraph, read_graph
-from ..capture.guards import condense_guard_failures, recompile_note
+from ..capture.graph import CapturedGraph, read_graph, refuse_untracked
+from ..capture.guards import condense_guard_failures, recompile_forbidden, recompile_note
 from ..capture.regions import inline_regions
 from ..planning.costs import CostModel
 from ..planning.plan import Plan, plan_graph
@@ -100,6 +100,8 @@ class CompileTarget:
         store_prefix: Prefix of this model's keys in the c10d store.
         graphs_differ: The ranks' graphs may differ by data from the start (DDP's
             ``find_unused_parameters=True``; Note [Graphs that differ by data]).
+        untracked_ok: ``id``s of trainable parameters a graph may read with no bucket (DDP's ignored
+            ones); any other not in ``params_by_id`` is refused (Note [Parameters that change after wrap]).
     """
 
     config: Config
@@ -112,6 +114,7 @@ class CompileTarget:
     ranks: tuple[int, ...]
     store_prefix: str
     graphs_differ: bool = False
+    untracked_ok: frozenset[int] = frozenset()
 
 
 class GraphCompiler:
@@ -258,18 +261,15 @@ class GraphCompiler:
         self._guard_failures.clear()
         steps = self.registry.steps
         if reasons and self.target.config.recompile == "error" and steps > 0:
-            raise RecompileError(
-                f"rank {self.target.rank}: TorchDynamo is recompiling after {steps} step(s) because "
-                f"guard(s) {list(reasons)!r} failed, and recompile='error' forbids recompiles after "
-                "warm-up. Keep input shapes, dtypes and module flags (train/eval) constant, mark varying "
-                "dimensions with torch._dynamo.mark_dynamic(x, dim) or wrap(..., dynamic=True) before "
-                "the first step, or use recompile='allow'."
-            )
+            raise recompile_forbidden(reasons, rank=self.target.rank, steps=steps)
         return reasons
 
     def _plan(self, gm: fx.GraphModule, inputs: list, again: bool) -> tuple[CapturedGraph, Plan, str]:
         t = self.target
         captured = read_graph(inline_regions(gm), inputs, t.params_by_id)
+        refuse_untracked(
+            gm, inputs, set(t.params_by_id) | t.untracked_ok, rank=t.rank, graph_id=len(self.records)
+        )
         self._doing = "planning segments and buckets"
         param_bytes = {n: p.numel() * p.element_size() for n, p in captured.params.items()}
         owned = self.registry.claimed()  # parameters an earlier graph of this step buckets

@@ -4,6 +4,10 @@ May import ``compile``, ``capture``, ``planning`` and the leaves. It never impor
 ``telemetry`` (TensorBoard, matplotlib): telemetry observes it through ``stats.StepObserver``.
 
 - ``module.py``: the module users train.
+- ``model_build.py``: what it runs on (reducer, backend, compiled code), built at ``wrap``,
+  built again after a change, released at ``close``; its copies and pickles.
+- ``model_watch.py``: parameters and buffers that change after ``wrap`` (replaced, unfrozen,
+  materialized from the meta device), found and agreed across ranks.
 - ``ddp.py``: adopting the DDP model's options, checked across ranks.
 - ``surface.py``: DDP's own API on it (communication hooks, ``Join``, the rest).
 - ``nesting.py``: data-parallel wrappers in the wrong place, as errors.

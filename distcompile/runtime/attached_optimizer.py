@@ -104,6 +104,7 @@ class AttachedOptimizer:
                 "over this model's parameters only (build it from model.parameters())."
             )
         self.optimizer = opt
+        self.per_parameter = per_parameter
         self.ids = {id(p) for g in opt.param_groups for p in g["params"]}
         self._stepped: set[int] = set()
         self._versions: list[tuple[torch.Tensor, int]] | None = None  # set once a backward stepped

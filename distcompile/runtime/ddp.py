@@ -167,7 +167,9 @@ def _check_across_ranks(
             "the model's parameter names, shapes and dtypes",
             "Every rank must build the same model before wrap().",
         )
-        states = [p.detach() for p in inner.parameters()] + [b.detach() for b in inner.buffers()]
+        # Tensors on the meta device (deferred initialization) have no values yet: the model takes
+        # the first rank's once they are materialized (Note [Parameters that change after wrap]).
+        states = [t.detach() for t in (*inner.parameters(), *inner.buffers()) if not t.is_meta]
         if states:
             broadcast_coalesced(states, src=ranks[0], group=group)
 

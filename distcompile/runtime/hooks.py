@@ -197,6 +197,10 @@ class HookChain:
         """Send with ``hook`` (or the fused path with ``compression``) from the next step on."""
         self._pending = (hook, compression)
 
+    def current(self) -> tuple[CommHook | None, str | None]:
+        """The hook and compression of the next step (a pending change included)."""
+        return self._pending if self._pending is not None else (self.hook, self.compression)
+
     def adopt_pending(self) -> bool:
         """At a step's start: take a hook set since; True if the way of sending changed."""
         if self._pending is None:

@@ -14,21 +14,21 @@ from torch.distributed.algorithms.join import Joinable
 
 from .. import _events
 from .. import _torch_compat as compat
-from .._agreement import default_store, failed_ranks, layouts_agree, mark_failed, ranks_at
+from .._agreement import default_store, failed_ranks, layouts_agree, mark_failed
 from .._config import Config
 from .._errors import DistCompileError, UnsupportedModelError
-from ..capture.regions import RegionNotInlined, mark_repeated_blocks, region_failure_reason
-from ..compile.backend import CompileObserver, CompileTarget, GraphCompiler
+from ..capture.regions import RegionNotInlined, region_failure_reason
+from ..compile.backend import CompileObserver
 from ..compile.record import GraphRecord
 from . import shutdown
-from .bucket import Peers
 from .collectives import broadcast_coalesced
 from .ddp import Settings
 from .forward_check import ForwardCheck
 from .join import join_enabled, notify_join, sync_flag, take_last_joiner_state
+from .model_build import ModelBuild
+from .model_watch import ModelWatch
 from .nesting import WRAPPERS, outer_data_parallel
-from .reducer import BucketReducer, StepObserver, StepStats
-from .sparse import sparse_params
+from .reducer import StepObserver, StepStats
 from .surface import DDPSurface
 from .verify import StepCheck
 
@@ -67,7 +67,7 @@ def _region_only(exc: BaseException) -> bool:
     return type(exc).__name__ == "UncapturedHigherOrderOpError"
 
 
-class DistCompiledModule(DDPSurface, nn.Module, Joinable):
+class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):
     """A model compiled by :func:`distcompile.wrap`; use it as you would the DDP model.
 
     ``state_dict()`` keys carry the ``module.`` prefix, as DDP's do. DDP's own API works on it
@@ -103,71 +103,34 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
         self._sync = True
         self._outer_checked = False
         self._require_forward_param_sync = True
-        # Drawn for this wrap and this life of the group: a restarted group may share the store
-        # of the last one (torchrun's agent store), whose keys must not be read as this group's.
-        self._store_prefix = settings.store_root
+        self._closed = False
         self._rank = dist.get_rank()
         self._ranks = list(settings.ranks)
-        params = {n: p for n, p in module.named_parameters() if p.requires_grad and n not in settings.ignored}
-        self._buffers_list = [b for n, b in module.named_buffers() if n not in settings.ignored]
-        self._reducer = BucketReducer(
-            params,
-            group=settings.group,
-            compression=settings.compression,
-            compress_tail_only=config.compression_scope == "tail",
-            grad_as_view=settings.grad_as_view,
-            observer=observer,
-            detect_nonfinite=config.detect_nonfinite,
-            peers=Peers(
-                self._describe_peers, lambda a: ranks_at(default_store(), self._store_prefix, a, self._rank)
-            ),
-            sparse=sparse_params(module),
-            comm_hook=settings.comm_hook,
-            bucket_caps=(settings.bucket_cap, settings.first_bucket_cap),
-            agree_layout=self._agree_layout,
-            # Note [Graphs that differ by data]: one layout from the first synchronized step on,
-            # agreed by every rank, so that which graphs ran (or reran for other parameters) on a
-            # rank never changes what it all-reduces.
-            freeze=True,
-            grads_in_graph_memory=config.cudagraphs,
-        )
-        target = CompileTarget(
-            config=config,
-            params_by_id={id(p): n for n, p in params.items()},
-            bucket_cap=settings.bucket_cap,
-            first_bucket_cap=settings.first_bucket_cap,
-            compression=settings.compression,
-            costs=settings.costs,
-            rank=self._rank,
-            ranks=settings.ranks,
-            store_prefix=self._store_prefix,
-            graphs_differ=settings.find_unused,
-        )
-        self._backend = GraphCompiler(target, registry=self._reducer, observer=observer)
-        self._check = self._first_step_check(config, settings, params)
-        # dynamic=True: TorchDynamo (2.13, 2.15) fails region traces with every dimension dynamic.
-        self._unmark = mark_repeated_blocks(module) if config.regions and config.dynamic is not True else None
-        compiled = compat.compile_module(
-            module,
-            backend=self._backend,
-            fullgraph=config.fullgraph,
-            dynamic=config.dynamic,
-            on_guard_failure=self._backend.guard_failed,
-        )
-        object.__setattr__(self, "_compiled", compiled)  # not a registered submodule
+        # Note [Parameters that change after wrap]: what the reducer and the graphs are built for.
+        self._watch = ModelWatch(module, ignored=settings.ignored)
+        self._life = 0  # how many times the model was adopted again since wrap
+        self._build()
         self.attach_to(source)  # ddp.register_comm_hook(...) and Join([ddp]) reach this module
         shutdown.track(self)  # closed at interpreter exit if the script does not
 
     @property
     def graphs(self) -> list[GraphRecord]:
         """One :class:`GraphRecord` per captured graph, in capture order."""
-        return self._backend.records
+        return self._backend.records if self._backend is not None else []
 
     # -- running -----------------------------------------------------------------------
     def forward(self, *args: object, **kwargs: object) -> object:
         """Run the compiled model; a later ``backward()`` averages gradients across ranks."""
+        if self._closed or self._reducer is None:
+            return self._forward_unbuilt(args, kwargs)
         if not self._outer_checked:
             self._check_not_wrapped()
+        if self._meta or (torch.is_grad_enabled() and not self._reducer.step_open):
+            try:
+                self._take_changes()
+            except Exception as exc:
+                self._failed(exc)
+                raise
         s = self._settings
         ddp = self._source[0]
         sync = torch.is_grad_enabled() and self._sync and getattr(ddp, "require_backward_grad_sync", True)
@@ -205,9 +168,7 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
             else:
                 out = self._call_compiled(args, kwargs)
         except Exception as exc:
-            # Peers blocked in an all-reduce with this rank can then name it.
-            mark_failed(default_store(), self._store_prefix, self._rank, f"{type(exc).__name__}: {exc}")
-            _events.emit("error", error=type(exc).__name__, message=" ".join(str(exc).split())[:1000])
+            self._failed(exc)
             # Our own errors raised while planning inside the backend arrive wrapped by
             # TorchDynamo; show the user the distcompile error itself (with its traceback).
             inner = compat.backend_failure_cause(exc)
@@ -219,6 +180,11 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
         elif check is None and self._check is not None and len(self.graphs) > graphs:
             self._check.pending = True  # a recompile: check the next training step
         return out
+
+    def _failed(self, exc: BaseException) -> None:
+        """Record this rank's error: peers blocked in an all-reduce with this rank can then name it."""
+        mark_failed(default_store(), self._store_prefix, self._rank, f"{type(exc).__name__}: {exc}")
+        _events.emit("error", error=type(exc).__name__, message=" ".join(str(exc).split())[:1000])
 
     def _call_compiled(self, args: tuple, kwargs: dict) -> object:
         ran = self._reducer.graphs_run
@@ -241,32 +207,6 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
             )
             self._drop_regions()
             return self._compiled(*args, **kwargs)
-
-    def _first_step_check(
-        self, config: Config, settings: Settings, params: dict[str, nn.Parameter]
-    ) -> StepCheck | ForwardCheck | None:
-        """``verify``'s check: the full one (True), the forward one ("forward"), or none."""
-        if config.verify == "forward":
-            return ForwardCheck(
-                self.module,
-                backend=config.backend,
-                tolerance=config.verify_tolerance,
-                as_captured=self._backend.as_captured,
-                describe=self._describe_check,
-            )
-        if not config.verify:
-            return None
-        return StepCheck(
-            self.module,
-            params=params,
-            group=settings.group,
-            settle=self._reducer.finish_step,
-            where=self._where,
-            tolerance=config.verify_tolerance,
-            compressed=settings.compression is not None,
-            stepped=self._reducer.optimizers.stepped_ids,
-            hooked=lambda: self._reducer.hooks.name,
-        )
 
     def _describe_check(self) -> str:
         """The graphs and regions a failed forward check is about."""
@@ -393,9 +333,12 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
         self._reducer.optimizers.attach(optimizer, per_parameter=per_parameter)
 
     def close(self) -> None:
-        """Flush TensorBoard files and traces, remove gradient hooks; the module stops synchronizing.
+        """Flush TensorBoard files and traces, remove gradient hooks, release the compiled code.
 
-        Repeated blocks get their own classes back (Note [Nested compile regions]).
+        Repeated blocks get their own classes back (Note [Nested compile regions]), and
+        TorchDynamo forgets this model's compiles (``_torch_compat.release_backend``), so a
+        closed and deleted model frees its memory. A closed model still evaluates (eagerly,
+        under ``torch.no_grad()``); a training forward raises.
 
         Safe to call twice. A model still open at interpreter exit is closed then (an
         ``atexit`` handler), so a script that never calls it loses no telemetry.
@@ -404,17 +347,19 @@ class DistCompiledModule(DDPSurface, nn.Module, Joinable):
             >>> # model.close()  # at the end of training
         """
         if shutdown.untrack(self):  # the first close
-            _events.emit("close", steps=self._reducer.steps)
+            _events.emit("close", steps=self._reducer.steps if self._reducer is not None else 0)
+        if self._closed:
+            return
+        self._closed = True
         self.detach_from(self._source[0])
-        self._reducer.close()
-        self._drop_regions()
+        self._release()
         if self._observer is not None:
             self._observer.close()
 
     @property
     def last_step(self) -> StepStats:
         """Communication statistics of the last synchronized step on this rank."""
-        return self._reducer.last_step
+        return self._reducer.last_step if self._reducer is not None else StepStats()
 
 
 WRAPPERS[DistCompiledModule] = "distcompile.DistCompiledModule"

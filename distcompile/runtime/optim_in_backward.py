@@ -71,6 +71,24 @@ class OptimizersInBackward:
         self.attached = att
         log.info("attached optimizer: %s steps bucket by bucket inside backward", type(opt).__name__)
 
+    def carry_over(self, previous: OptimizersInBackward) -> None:
+        """Take over ``previous``'s optimizers for the parameters still trained (the model was
+        adopted again: Note [Parameters that change after wrap]). An attached optimizer that holds
+        a parameter the model no longer trains is detached, with a warning."""
+        self.ids = previous.ids & {id(p) for p in self.params.values()}
+        old, previous.attached = previous.attached, None
+        if old is None:
+            return
+        old.detach()
+        try:
+            self.attach(old.optimizer, per_parameter=old.per_parameter)
+        except ConfigError as exc:
+            log.warning(
+                "the attached optimizer was detached: the model changed and %s Attach the new optimizer "
+                "with model.attach_optimizer(opt); until then, call opt.step() yourself.",
+                str(exc).removeprefix("attach_optimizer: "),
+            )
+
     def adopt_new(self) -> None:
         """Take torch's own step-on-local-gradient hooks off parameters that got optimizers."""
         if compat.optimizer_in_backward_count() == 0:  # none registered, or all taken off

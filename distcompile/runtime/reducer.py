@@ -115,6 +115,12 @@ class BucketReducer:
         self._name_of = {id(p): n for n, p in self.params.items()}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params.values()]
 
+    def carry_over(self, previous: BucketReducer) -> None:
+        """Send as ``previous`` did (its communication hook) and step its optimizers: this reducer
+        replaces it for the model as it is now (Note [Parameters that change after wrap])."""
+        self.hooks.set(*previous.hooks.current())
+        self.optimizers.carry_over(previous.optimizers)
+
     # -- forward side ------------------------------------------------------------
     def add_graph(
         self,

@@ -1,0 +1,228 @@
+"""Note [Parameters that change after wrap]
+
+Background
+    Training scripts change the model around the loop: a new classification head assigned
+    after ``wrap``, ``load_state_dict(sd, assign=True)``, a meta-device model materialized
+    with ``to_empty`` (torchtitan's order), layers unfrozen for progressive fine-tuning.
+    TorchDynamo takes parameters as graph inputs, so a compiled graph runs with the new
+    parameter objects without recompiling; but the reducer's gradient hooks and buckets sit
+    on the objects that were there at ``wrap``. Left alone, the new parameters train
+    without any all-reduce and the ranks drift apart, silently (DDP errors for a replaced
+    head and drifts silently for unfreezing and ``assign=True``).
+
+Algorithm
+    * At ``wrap`` (and after each adoption), ``ModelWatch`` notes, by identity, every
+      ``_parameters``, ``_buffers`` and ``_modules`` entry of the module tree, the number
+      of entries of each of those dicts, and each parameter's ``requires_grad``.
+    * ``changed()`` compares them, at each training forward that opens a step: three
+      C-level passes over lists (no Python loop per parameter). A module assigned in place
+      of another, a parameter registered, replaced (``assign=True``, ``to_empty``, ``_apply``
+      under ``torch.__future__`` settings) or removed, a buffer replaced, and a flag
+      flipped all show.
+    * ``compare()`` then says what changed in the trainable parameters and the buffers, by
+      name; the module adopts it (``runtime/module.py``: the ranks agree on it, rank 0's
+      values of the new tensors are broadcast, and the reducer and the compiled graphs are
+      rebuilt) or, where nothing that is synchronized changed, just notes the new state.
+
+Notes
+    Nothing is compared by value, and nothing is per step beyond ``changed()``.
+    ``param.data = t`` and in-place updates keep the parameter object, its hooks and its
+    bucket: nothing to adopt.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .._agreement import default_store
+from .._errors import DesyncError
+from .._store import StoreTimeout, agree, counted
+
+__all__ = ["ModelChange", "ModelWatch", "agree_on_change", "meta_message", "on_meta"]
+
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelChange:
+    """What changed in a model's synchronized state since the last snapshot, by name.
+
+    Attributes:
+        replaced: Trainable parameters whose name now holds another tensor.
+        added: Parameters that are trainable now and were not (new, or unfrozen).
+        removed: Trainable parameters that are gone or frozen now.
+        buffers: Buffers added, removed or replaced.
+    """
+
+    replaced: tuple[str, ...] = ()
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    buffers: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.replaced or self.added or self.removed or self.buffers)
+
+    def describe(self, limit: int = 6) -> str:
+        """One line per kind of change, naming up to ``limit`` tensors each.
+
+        Example:
+            >>> ModelChange(replaced=("head.weight", "head.bias")).describe()
+            'replaced: head.weight, head.bias'
+        """
+
+        def names(xs: tuple[str, ...]) -> str:
+            more = f" and {len(xs) - limit} more" if len(xs) > limit else ""
+            return ", ".join(xs[:limit]) + more
+
+        kinds = (
+            ("replaced", self.replaced),
+            ("newly trainable", self.added),
+            ("no longer trainable", self.removed),
+            ("buffers changed", self.buffers),
+        )
+        return "; ".join(f"{kind}: {names(xs)}" for kind, xs in kinds if xs)
+
+    @property
+    def new_tensors(self) -> tuple[str, ...]:
+        """The parameters and buffers whose values every rank must take from the first rank."""
+        return self.replaced + self.added + self.buffers
+
+
+class ModelWatch:
+    """The parameters and buffers a wrapped model held when last adopted, by identity.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2))
+        >>> watch = ModelWatch(net)
+        >>> watch.changed()
+        False
+        >>> net[0] = nn.Linear(2, 2)
+        >>> watch.changed(), watch.compare().replaced
+        (True, ('0.weight', '0.bias'))
+    """
+
+    def __init__(self, module: nn.Module, *, ignored: frozenset[str] = frozenset()) -> None:
+        self.module = module
+        self.ignored = ignored
+        self.take()
+
+    def take(self) -> None:
+        """Note the model as it is now (after an adoption, or a change with nothing to adopt)."""
+        mods = list(self.module.modules())
+        self._dicts = [d for m in mods for d in (m._parameters, m._buffers, m._modules)]
+        self._lens = list(map(len, self._dicts))
+        self._slot_dicts = [d for d in self._dicts for _ in d]
+        self._slot_keys = [k for d in self._dicts for k in d]
+        # Holding the objects keeps their ids from being reused while they are compared.
+        self._held = list(map(dict.get, self._slot_dicts, self._slot_keys))
+        self._ids = list(map(id, self._held))
+        self._params = list(self.module.parameters())
+        self._grads = list(map(_requires_grad, self._params))
+        self.trainable = self.trainable_now()
+        self.buffers = self.buffers_now()
+
+    def changed(self) -> bool:
+        """Whether any parameter, buffer or submodule entry, or ``requires_grad``, changed (cheap)."""
+        return (
+            list(map(len, self._dicts)) != self._lens
+            or list(map(id, map(dict.get, self._slot_dicts, self._slot_keys))) != self._ids
+            or list(map(_requires_grad, self._params)) != self._grads
+        )
+
+    def compare(self) -> ModelChange:
+        """What changed in the trainable parameters and buffers since :meth:`take`."""
+        now, before = self.trainable_now(), self.trainable
+        bufs, old_bufs = self.buffers_now(), self.buffers
+        return ModelChange(
+            replaced=tuple(n for n, p in now.items() if n in before and before[n] is not p),
+            added=tuple(n for n in now if n not in before),
+            removed=tuple(n for n in before if n not in now),
+            buffers=tuple(
+                n for n in {**old_bufs, **bufs} if old_bufs.get(n) is None or bufs.get(n) is not old_bufs[n]
+            ),
+        )
+
+    def trainable_now(self) -> dict[str, nn.Parameter]:
+        """The trainable parameters the model holds now (``requires_grad``, not ignored), by name."""
+        return {n: p for n, p in self.module.named_parameters() if p.requires_grad and n not in self.ignored}
+
+    def buffers_now(self) -> dict[str, torch.Tensor]:
+        """The buffers the model holds now (not ignored), by name."""
+        return {n: b for n, b in self.module.named_buffers() if n not in self.ignored}
+
+
+def on_meta(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of the tensors still on the meta device (not materialized).
+
+    Example:
+        >>> on_meta({"w": torch.empty(2, device="meta"), "b": torch.zeros(2)})
+        ['w']
+    """
+    return [n for n, t in tensors.items() if t.is_meta]
+
+
+def meta_message(names: list[str]) -> str:
+    """The error for a model whose parameters or buffers are still on the meta device."""
+    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+    return (
+        f"the model holds tensors on the meta device ({', '.join(names[:4])}{more}): they have no values "
+        "to train or synchronize. Materialize them before the first forward, on every rank, e.g. "
+        "model.module.to_empty(device='cpu') (or 'cuda') and then your initialization (torchtitan's "
+        "order); distcompile then takes the first rank's values at the first training step "
+        "(docs/ddp-parity.md, 'Around the training loop')."
+    )
+
+
+def agree_on_change(
+    change: ModelChange,
+    watch: ModelWatch,
+    *,
+    store_prefix: str,
+    life: int,
+    rank: int,
+    ranks: list[int],
+    timeout_s: float,
+) -> None:
+    """Raise :class:`DesyncError` unless every rank made the same change (the same trainable
+    parameters and buffers, names, shapes and dtypes, now). Four store operations a rank, the
+    text sent only to explain a difference (``_store.agree``).
+
+    Example:
+        >>> # agree_on_change(change, watch, store_prefix=p, life=1, rank=0, ranks=[0, 1], timeout_s=60)
+    """
+    lines = [f"change: {change.describe(limit=1000)}"]
+    lines += [f"param {n} {tuple(p.shape)} {p.dtype}" for n, p in watch.trainable_now().items()]
+    lines += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in watch.buffers_now().items()]
+    summary = "\n".join(lines)
+    try:
+        verdict = agree(
+            counted(default_store(), "agreement"),
+            f"{store_prefix}/adopt{life}",
+            summary,
+            rank=rank,
+            ranks=ranks,
+            timeout_s=timeout_s,
+        )
+    except StoreTimeout as exc:
+        raise DesyncError(
+            f"rank {rank}: the model's parameters changed since wrap ({change.describe()}), but rank(s) "
+            f"{exc.missing} did not report a change within {timeout_s:.0f} s (desync_timeout_s): they train "
+            "the model as it was. Every rank must make the same change (assign the new module, unfreeze, "
+            "load_state_dict(assign=True), to_empty) before the same training step."
+        ) from exc
+    if not verdict.same:
+        other = next((r for r in verdict.texts if r != rank), verdict.first)
+        theirs = verdict.texts.get(other, "").splitlines()
+        mine = summary.splitlines()
+        diff = [f"rank {rank}: {a}" for a in mine if a not in theirs][:8]
+        diff += [f"rank {other}: {b}" for b in theirs if b not in mine][:8]
+        raise DesyncError(
+            f"rank {rank}: the model's parameters changed since wrap, differently on rank {rank} and rank "
+            f"{other}; training on would all-reduce mismatched gradients. Every rank must make the same "
+            "change before the same training step. Differences:\n  " + "\n  ".join(diff)
+        )

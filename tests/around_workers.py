@@ -1,0 +1,184 @@
+"""Rank functions of the tests of what scripts do around the model (tests/runtime/test_model_changes.py):
+a head replaced, layers unfrozen, ``load_state_dict(assign=True)``, a meta model materialized,
+copies and pickles, each against eager DDP built for the model as it is after the change."""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.swa_utils import AveragedModel
+
+import distcompile
+from tests.models import batch, loss_fn, mlp_seq, step_each
+
+NAME = "mlp_seq"
+
+
+def _train(models: tuple, opts: list, rank: int, steps: range) -> list[list[float]]:
+    return [
+        step_each(models, opts, lambda m, x=x, y=y: loss_fn(NAME, m(x), y))
+        for x, y in (batch(NAME, rank, s) for s in steps)
+    ]
+
+
+def _sgd(*models: nn.Module) -> list[torch.optim.Optimizer]:
+    return [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in distcompile.unwrap(model).parameters()]
+
+
+def _new_head(rank: int) -> nn.Linear:
+    torch.manual_seed(100 + rank)  # each rank draws another head: rank 0's must win, as in DDP's constructor
+    return nn.Linear(64, 8)
+
+
+def _change(case: str, rank: int, net: nn.Sequential, path: str) -> None:
+    """The change a script makes after some steps (the same on every rank, values aside)."""
+    if case == "head":
+        net[-1] = _new_head(rank)
+    elif case == "unfreeze":
+        for p in net.parameters():
+            p.requires_grad_(True)
+    elif case == "assign":
+        net.load_state_dict(torch.load(path), assign=True)
+
+
+def changed_after_wrap(rank: int, world: int, case: str, path: str) -> dict:
+    """Two steps, ``case``'s change, three more, on distcompile and on eager DDP; eager DDP's
+    reference is rebuilt after the change (DDP's constructor broadcasts the first rank's values)."""
+    torch.manual_seed(0)
+    base = mlp_seq()
+    if case == "unfreeze":
+        for p in base[0].parameters():
+            p.requires_grad_(False)
+    if case == "assign" and rank == 0:
+        torch.manual_seed(7)
+        torch.save({k: v + 0.01 * torch.randn_like(v) for k, v in base.state_dict().items()}, path)
+    dist.barrier()
+    ref_net, our_net = copy.deepcopy(base), copy.deepcopy(base)
+    ref, ours = DDP(ref_net), distcompile.wrap(DDP(our_net), backend="aot_eager")
+    losses = _train((ref, ours), _sgd(ref, ours), rank, range(2))
+    _change(case, rank, ref_net, path)
+    _change(case, rank, our_net, path)
+    ref = DDP(ref_net)
+    losses += _train((ref, ours), _sgd(ref, ours), rank, range(2, 5))
+    return {
+        "losses": losses,
+        "params": _params(ours),
+        "ref_params": _params(ref),
+        "graphs": len(ours.graphs),
+    }
+
+
+def meta_materialized(rank: int, world: int) -> dict:
+    """torchtitan's order: wrap the model on the meta device, then ``to_empty`` and each rank's
+    own initialization; rank 0's values must be taken, as a DDP built after would."""
+    with torch.device("meta"):
+        net = mlp_seq()
+    ours = distcompile.wrap(net, backend="aot_eager")
+    x, y = batch(NAME, rank, 0)
+    try:
+        ours(x)
+        early = ""
+    except distcompile.UnsupportedModelError as exc:
+        early = str(exc)
+    ours.module.to_empty(device="cpu")
+    torch.manual_seed(rank)
+    for m in ours.module.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+    ref_net = copy.deepcopy(ours.module)
+    ref = DDP(ref_net)  # broadcasts rank 0's values
+    losses = _train((ref, ours), _sgd(ref, ours), rank, range(3))
+    return {"early": early, "losses": losses, "params": _params(ours), "ref_params": _params(ref)}
+
+
+def changes_differ(rank: int, world: int) -> str:
+    """The ranks replace the head with different shapes: each must raise, naming the difference."""
+    torch.manual_seed(0)
+    net = mlp_seq()
+    ours = distcompile.wrap(DDP(net), backend="aot_eager", desync_timeout_s=30)
+    _train((ours,), _sgd(ours), rank, range(1))
+    net[-1] = nn.Linear(64, 8 + rank)
+    try:
+        ours(batch(NAME, rank, 1)[0])
+    except distcompile.DesyncError as exc:
+        return str(exc)
+    return ""
+
+
+class _OutsideParam(nn.Module):
+    def __init__(self, scale: nn.Parameter) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 8)
+        self._scale = [scale]  # a trainable parameter the module does not register
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self._scale[0]
+
+
+def outside_parameter(rank: int, world: int) -> str:
+    """A trainable parameter from outside the wrapped model reaches the graph: refused."""
+    torch.manual_seed(0)
+    ours = distcompile.wrap(DDP(_OutsideParam(nn.Parameter(torch.ones(8)))), backend="aot_eager")
+    try:
+        ours(batch(NAME, rank, 0)[0]).sum().backward()
+    except distcompile.UnsupportedModelError as exc:
+        return str(exc)
+    return ""
+
+
+def _pickled(model: nn.Module) -> nn.Module:
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+_COPIES: dict[str, Callable[[nn.Module], nn.Module]] = {"deepcopy": copy.deepcopy, "torch_save": _pickled}
+
+
+def copies(rank: int, world: int, how: str) -> dict:
+    """A copy of a wrapped model (``how``) trains in sync as a copy of the DDP model does; an EMA
+    of the model (``AveragedModel``, and timm's ModelEmaV3 pattern) updates and evaluates, the
+    latter on rank 0 alone (no collective in an evaluation)."""
+    torch.manual_seed(0)
+    base = mlp_seq()
+    ref, ours = DDP(copy.deepcopy(base)), distcompile.wrap(DDP(copy.deepcopy(base)), backend="aot_eager")
+    swa_ref, swa_ours = AveragedModel(ref), AveragedModel(ours)
+    ema_ref, ema_ours = copy.deepcopy(ref), copy.deepcopy(ours)
+    opts = _sgd(ref, ours)
+    losses = []
+    for step in range(3):
+        losses += _train((ref, ours), opts, rank, range(step, step + 1))
+        for swa, model in ((swa_ref, ref), (swa_ours, ours)):
+            swa.update_parameters(model)
+        with torch.no_grad():
+            for ema, model in ((ema_ref, ref), (ema_ours, ours)):
+                for e, m in zip(ema.parameters(), model.parameters()):
+                    e.lerp_(m, 0.25)
+    x = batch(NAME, rank, 9)[0]
+    evals = {}
+    if rank == 0:
+        with torch.no_grad():
+            evals = {"swa": (swa_ref(x), swa_ours(x)), "ema": (ema_ref(x), ema_ours(x))}
+    dist.barrier()
+    # The copies train on their own, in sync, as the DDP copies do.
+    ref_copy, our_copy = _COPIES[how](ref), _COPIES[how](ours)
+    copy_losses = _train((ref_copy, our_copy), _sgd(ref_copy, our_copy), rank, range(3, 6))
+    return {
+        "type": type(our_copy).__name__,
+        "losses": losses + copy_losses,
+        "evals": evals,
+        "params": _params(our_copy),
+        "ref_params": _params(ref_copy),
+        "original_params": _params(ours),
+    }

@@ -1,0 +1,79 @@
+"""What scripts do around the model after ``wrap``, against eager DDP on real gloo ranks
+(Note [Parameters that change after wrap], Note [Copies of a wrapped model]).
+
+Tolerances as tests/runtime/test_ddp_parity.py: aot_eager runs eager's kernels; losses and
+parameters within rtol 1e-4 / atol 1e-5 of eager DDP's, the ranks' parameters bitwise equal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from distcompile.runtime.model_watch import ModelWatch
+from tests import around_workers
+from tests.harness import run_ranks
+from tests.runtime.test_ddp_parity import _check
+
+
+def test_the_watch_sees_replaced_added_unfrozen_and_materialized_tensors() -> None:
+    net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 1))
+    net[0].weight.requires_grad_(False)
+    watch = ModelWatch(net)
+    assert not watch.changed()
+    with torch.no_grad():  # values and .data change nothing that is synchronized
+        net[2].weight.add_(1)
+    net[2].bias.data = torch.zeros(1)
+    assert not watch.changed()
+    net[0].weight.requires_grad_(True)
+    assert watch.changed() and watch.compare().added == ("0.weight",)
+    watch.take()
+    net[2] = nn.Linear(2, 1)
+    net[1].register_buffer("extra", torch.zeros(1))
+    change = watch.compare()
+    assert watch.changed() and change.replaced == ("2.weight", "2.bias") and change.buffers == ("1.extra",)
+    watch.take()
+    net.load_state_dict(net.state_dict(), assign=True)  # new tensors under the same names
+    assert watch.changed() and len(watch.compare().replaced) == 6
+    with torch.device("meta"):
+        meta = nn.Linear(2, 2)
+    watch = ModelWatch(meta)
+    meta.to_empty(device="cpu")
+    assert watch.changed() and watch.compare().replaced == ("weight", "bias")
+
+
+@pytest.mark.parametrize("case", ["head", "unfreeze", "assign"])
+def test_a_change_after_wrap_is_adopted_as_a_ddp_built_after_it(case: str, tmp_path) -> None:  # noqa: ANN001
+    results = run_ranks(around_workers.changed_after_wrap, 2, case, str(tmp_path / "sd.pt"))
+    _check(results)
+    assert results[0]["graphs"] >= 1
+
+
+def test_a_meta_model_is_refused_until_materialized_then_takes_rank_0s_values() -> None:
+    results = run_ranks(around_workers.meta_materialized, 2)
+    _check(results)
+    for res in results:
+        assert "meta device" in res["early"] and "to_empty" in res["early"], res["early"]
+
+
+def test_ranks_that_change_the_model_differently_raise_naming_the_difference() -> None:
+    errors = run_ranks(around_workers.changes_differ, 2)
+    for rank, msg in enumerate(errors):
+        assert "changed since wrap, differently" in msg, msg
+        assert f"6.weight ({8 + rank}, 64)" in msg and "Every rank must make the same change" in msg, msg
+
+
+def test_a_trainable_parameter_from_outside_the_model_is_refused_with_the_fix() -> None:
+    for msg in run_ranks(around_workers.outside_parameter, 2):
+        assert "(8,) torch.float32" in msg and "never be averaged" in msg and "register it" in msg, msg
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch_save"])
+def test_copies_and_averages_of_a_wrapped_model_work_as_a_ddp_models(how: str) -> None:
+    results = run_ranks(around_workers.copies, 2, how)
+    _check(results)
+    assert results[0]["type"] == "DistCompiledModule"
+    for name, (ref, ours) in results[0]["evals"].items():
+        np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5, err_msg=name)
