@@ -77,6 +77,7 @@ def wrap(model: nn.Module, config: Config | None = None, **options: object) -> D
             "model itself. Pass the uncompiled DDP model (drop torch.compile / the earlier wrap)."
         )
     inner, settings = adopt(model, cfg)
+    compat.checkpoint_as_ddp(DistCompiledModule)  # DCP checkpoints with DDP's keys (docs/ddp-parity.md)
     _warn_if_restarts_share_the_agent_store()
     mark_address(default_store(), settings.store_root, dist.get_rank())  # for errors to name peers by rank
     if not _events.started():  # the first wrap of this process opens its life in the event log

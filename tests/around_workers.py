@@ -5,7 +5,10 @@ copies and pickles, each against eager DDP built for the model as it is after th
 from __future__ import annotations
 
 import copy
+import gc
 import io
+import os
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -182,3 +185,82 @@ def copies(rank: int, world: int, how: str) -> dict:
         "ref_params": _params(ref_copy),
         "original_params": _params(ours),
     }
+
+
+def _rss_mb() -> float:
+    """This process's resident memory, after glibc gave freed memory back (it keeps freed
+    arenas otherwise, which reads as growth that is not held by anything)."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.util.find_library("c")
+    if libc:
+        ctypes.CDLL(libc).malloc_trim(0)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+
+def _wrap_train_close() -> weakref.ref:
+    net = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])  # 33.6 MB of parameters
+    model = distcompile.wrap(DDP(net), backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(3):
+        model(torch.randn(4, 1024)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    model.close()
+    return weakref.ref(model)
+
+
+def wrap_close_cycles(rank: int, world: int, cycles: int) -> dict:
+    """Wrap, train 3 steps, close and drop the model, ``cycles`` times in one process (no
+    ``torch._dynamo.reset()``)."""
+    from distcompile.runtime.module import DistCompiledModule
+    from distcompile.runtime.reducer import BucketReducer
+
+    refs, rss = [], []
+    for _ in range(cycles):
+        refs.append(_wrap_train_close())
+        # Two passes: the first frees the model, whose death runs TorchDynamo's finalizers for
+        # the guards on it; what those held goes in the second.
+        gc.collect()
+        gc.collect()
+        rss.append(_rss_mb())
+    return {
+        "rss": rss,
+        "alive": sum(r() is not None for r in refs),
+        "modules": sum(isinstance(o, DistCompiledModule) for o in gc.get_objects()),
+        "reducers": sum(isinstance(o, BucketReducer) for o in gc.get_objects()),
+    }
+
+
+def dcp_round_trip(rank: int, world: int, ckpt_dir: str) -> dict:
+    """Six Adam steps of eager DDP, against the same six moved through DCP checkpoints:
+    eager DDP (2) -> distcompile (2) -> torch.compile(DDP) (2), model and optimizer state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(0)
+    base = mlp_seq()
+    legs: list[Callable[[nn.Module], nn.Module]] = [
+        lambda net: DDP(net),
+        lambda net: distcompile.wrap(DDP(net), backend="aot_eager"),
+        lambda net: torch.compile(DDP(net), backend="aot_eager"),
+    ]
+    keys, moved = [], []
+    for leg, make in enumerate(legs):
+        model = make(copy.deepcopy(base))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        if leg:  # resume from the last leg's checkpoint
+            msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=f"{ckpt_dir}/leg{leg - 1}")
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        moved += _train((model,), [opt], rank, range(2 * leg, 2 * leg + 2))
+        msd, osd = get_state_dict(model, opt)
+        keys.append((sorted(msd), sorted(osd["state"])))
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{ckpt_dir}/leg{leg}")
+    ref = DDP(copy.deepcopy(base))
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    losses = [r + m for r, m in zip(_train((ref,), [ref_opt], rank, range(6)), moved)]
+    return {"keys": keys, "losses": losses, "params": _params(model), "ref_params": _params(ref)}

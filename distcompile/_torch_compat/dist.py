@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -17,6 +19,7 @@ __all__ = [
     "ddp_delayed_params",
     "ddp_ignored_names",
     "ddp_uses_python_reducer",
+    "checkpoint_as_ddp",
     "default_store",
     "restarts_share_agent_store",
     "store_get_within",
@@ -208,7 +211,19 @@ def queue_engine_callback(fn: Callable[[], None]) -> None:
     Example:
         >>> # called from a gradient hook: queue_engine_callback(finish_step)
     """
-    torch.autograd.Variable._execution_engine.queue_callback(fn)
+    if inspect.ismethod(fn):
+        # The engine keeps the last backward's callbacks until the next backward runs: held
+        # weakly, a model closed and deleted after its last step does not live on through them.
+        method = weakref.WeakMethod(fn)
+
+        def call() -> None:
+            bound = method()
+            if bound is not None:
+                bound()
+
+        torch.autograd.Variable._execution_engine.queue_callback(call)
+    else:
+        torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
 def tensor_grad_hooks(tensor: torch.Tensor) -> list[Callable]:
@@ -326,3 +341,30 @@ def is_fsdp_module(module: object) -> bool:
     except ImportError:  # a torch built without distributed support
         return False
     return isinstance(module, (FSDPModule, FullyShardedDataParallel))
+
+
+def checkpoint_as_ddp(cls: type) -> None:
+    """Make ``torch.distributed.checkpoint.state_dict`` read ``cls`` as it reads DDP (idempotent).
+
+    DCP's ``get_state_dict``/``set_state_dict`` (and so ``dcp.save``/``dcp.load`` of what they
+    return) name each parameter by walking the model from the root, dropping DDP's
+    ``module.`` prefix where ``isinstance(obj, DistributedDataParallel)``; there is no way for
+    another wrapper to say the same. Widened to a tuple with ``cls`` (whose inner model is its
+    ``module``, as DDP's), a wrapped model's model and optimizer state get DDP's keys, and
+    checkpoints move between DDP, ``torch.compile(DDP)`` and ``cls``. Checked: 2.13 (the
+    name ``DDP`` is used only in ``_get_fqns``).
+
+    Example:
+        >>> class Wrapper(torch.nn.Module): ...
+        >>> checkpoint_as_ddp(Wrapper)
+    """
+    try:
+        from torch.distributed.checkpoint import state_dict as dcp_state_dict
+    except ImportError:  # a torch without distributed checkpointing: nothing to align
+        return
+    current = getattr(dcp_state_dict, "DDP", None)
+    if current is None:
+        raise unsupported("torch.distributed.checkpoint.state_dict.DDP", AttributeError("DDP"))
+    kinds = current if isinstance(current, tuple) else (current,)
+    if cls not in kinds:
+        dcp_state_dict.DDP = (*kinds, cls)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,8 +60,17 @@ def compile_module(
     """
     import torch._dynamo
 
+    # TorchDynamo keeps guard_fail_fn in each guard manager, which weakref finalizers on the
+    # guarded objects (the module among them) hold in a process-wide registry: a strong
+    # reference to the callback's owner from there keeps the module alive forever.
+    callback: Callable[[], Callable[[str], None] | None] = (
+        weakref.WeakMethod(on_guard_failure) if inspect.ismethod(on_guard_failure) else lambda: on_guard_failure
+    )
+
     def guard_failed(failure: Any) -> None:
-        on_guard_failure(str(getattr(failure, "reason", failure)))
+        report = callback()
+        if report is not None:
+            report(str(getattr(failure, "reason", failure)))
 
     try:
         ctx = torch._dynamo.optimize(backend, nopython=fullgraph, dynamic=dynamic, guard_fail_fn=guard_failed)

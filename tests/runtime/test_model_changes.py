@@ -77,3 +77,18 @@ def test_copies_and_averages_of_a_wrapped_model_work_as_a_ddp_models(how: str) -
     assert results[0]["type"] == "DistCompiledModule"
     for name, (ref, ours) in results[0]["evals"].items():
         np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_wrap_train_close_cycles_hold_no_model_and_no_memory() -> None:
+    # Before close released TorchDynamo's hold (its guard managers' failure callback, kept by
+    # weakref finalizers on the module), every closed model stayed alive with its gradients.
+    for res in run_ranks(around_workers.wrap_close_cycles, 2, 8):
+        assert res["alive"] == res["modules"] == res["reducers"] == 0, res
+        assert res["rss"][-1] < 1.1 * res["rss"][0], res["rss"]
+
+
+def test_dcp_checkpoints_move_between_ddp_distcompile_and_torch_compile(tmp_path) -> None:  # noqa: ANN001
+    results = run_ranks(around_workers.dcp_round_trip, 2, str(tmp_path))
+    _check(results)
+    ddp_keys, our_keys, compiled_keys = results[0]["keys"]
+    assert ddp_keys == our_keys == compiled_keys and ddp_keys[0][0] == "0.0.bias", results[0]["keys"]
