@@ -64,7 +64,9 @@ def compile_module(
     # guarded objects (the module among them) hold in a process-wide registry: a strong
     # reference to the callback's owner from there keeps the module alive forever.
     callback: Callable[[], Callable[[str], None] | None] = (
-        weakref.WeakMethod(on_guard_failure) if inspect.ismethod(on_guard_failure) else lambda: on_guard_failure
+        weakref.WeakMethod(on_guard_failure)
+        if inspect.ismethod(on_guard_failure)
+        else lambda: on_guard_failure
     )
 
     def guard_failed(failure: Any) -> None:
