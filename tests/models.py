@@ -93,6 +93,10 @@ def batch(name: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return idx, torch.roll(idx, -1, dims=1)
     if name == "convbn":
         return torch.randn(4, 3, 8, 8, generator=g), torch.randn(4, 8, generator=g)
+    if name == "mask_moe_unrolled":  # token types 0 to r + 1 on rank r
+        x = torch.randn(8, 64, generator=g)
+        x[:, 0] = torch.randint(0, min(rank + 2, 4), (8,), generator=g)
+        return x, torch.randn(8, 8, generator=g)
     if name.startswith("mask_moe"):  # token types 2r and 2r + 1 on rank r (mod 4)
         x = torch.randn(8, 64, generator=g)
         x[:, 0] = (2 * rank + torch.randint(0, 2, (8,), generator=g)) % 4
@@ -677,3 +681,30 @@ class MaskMoE(nn.Module):
 
 BUILDERS["mask_moe"] = MaskMoE
 BUILDERS["mask_moe_unchecked"] = lambda: MaskMoE(check=False)
+
+
+class UnrolledMaskMoE(MaskMoE):
+    """``MaskMoE`` with one ``if`` block per expert written out (no loop: TorchDynamo breaks at
+    each ``m.any()`` and resumes, and the resumed graph holds ``out[m] = ...``, whose backward
+    reads ``grad[m]``, a data-dependent size). Rank ``r`` sees token types 0 to ``r + 1``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        route = x[:, 0].long()
+        h = torch.relu(self.inp(x))
+        out = torch.zeros_like(h)
+        m = route == 0
+        if m.any():
+            out[m] = self.experts[0](h[m])
+        m = route == 1
+        if m.any():
+            out[m] = self.experts[1](h[m])
+        m = route == 2
+        if m.any():
+            out[m] = self.experts[2](h[m])
+        m = route == 3
+        if m.any():
+            out[m] = self.experts[3](h[m])
+        return self.out(out + h)
+
+
+BUILDERS["mask_moe_unrolled"] = UnrolledMaskMoE

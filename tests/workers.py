@@ -36,7 +36,7 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
     torch.manual_seed(0)
     base = BUILDERS[model_name]()
     ddp_kwargs: dict = {"bucket_cap_mb": 0.05}
-    if model_name in ("unused", "mask_moe", "mask_moe_unchecked"):
+    if model_name in ("unused", "mask_moe", "mask_moe_unchecked", "mask_moe_unrolled"):
         ddp_kwargs["find_unused_parameters"] = True
     if case == "grad_as_view":
         ddp_kwargs["gradient_as_bucket_view"] = True

@@ -22,6 +22,7 @@ __all__ = [
     "compiled_autograd",
     "compiled_original",
     "dynamo_control_flow",
+    "dynamo_fallback_cause",
     "graph_break_parts",
     "inductor_cache_dir",
     "inductor_compiler",
@@ -332,6 +333,30 @@ def dynamo_control_flow() -> tuple[type[BaseException], ...]:
     from torch._dynamo.exc import RestartAnalysis, SkipFrame
 
     return (RestartAnalysis, SkipFrame)
+
+
+def dynamo_fallback_cause(exc: BaseException) -> BaseException | None:
+    """The exception in ``exc``'s chain on which TorchDynamo breaks the graph instead of failing.
+
+    When a backend raises one of these (fake tensors met a data-dependent size with
+    ``capture_dynamic_output_shape_ops`` off, as AOTAutograd does tracing the backward of
+    ``out[mask] = v``, whose gradient reads ``grad[mask]``), TorchDynamo adds a graph break
+    there and runs that code eagerly: how ``torch.compile`` trains such a model. Raised
+    wrapped, it fails instead. Checked: 2.13 (``exc.exceptions_allowed_to_be_fallback``).
+
+    Example:
+        >>> dynamo_fallback_cause(ValueError("x")) is None
+        True
+    """
+    from torch._dynamo import exc as dynamo_exc
+
+    kinds = getattr(dynamo_exc, "exceptions_allowed_to_be_fallback", ())
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, kinds):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def autocast_change(node: fx.Node) -> tuple | None:

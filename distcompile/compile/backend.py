@@ -32,7 +32,7 @@ from .. import _torch_compat as compat
 from .._agreement import default_store
 from .._config import Config
 from .._errors import CompileError, DistCompileError
-from .._store import control_plane_counts, describe_counts
+from .._store import describe_counts
 from ..capture.breaks import graph_break_reason, is_data_dependent
 from ..capture.graph import CapturedGraph, read_graph, refuse_untracked
 from ..capture.guards import condense_guard_failures, recompile_forbidden, recompile_note
@@ -40,7 +40,7 @@ from ..capture.regions import inline_regions
 from ..planning.costs import CostModel
 from ..planning.plan import Plan, plan_graph
 from ..planning.split import SplitPlan, split_shared
-from .failures import compile_failure
+from .failures import compile_failure, dynamo_fallback
 from .lockstep import Lockstep
 from .pricing import graph_costs, planned_by
 from .record import GraphRecord
@@ -237,6 +237,10 @@ class GraphCompiler:
         except Exception as exc:
             self._abandon()
             doing = f"{self._doing} of graph {graph_id} ({len(gm.graph.nodes)} FX nodes)"
+            fallback = dynamo_fallback(exc, doing)
+            if fallback is not None:  # TorchDynamo breaks the graph there and traces again
+                self.lockstep.restarted()
+                raise fallback from None
             explain = "distcompile.explain(model, *inputs) shows the graphs and segments"
             raise compile_failure(
                 self.target.rank, doing, self.target.config.backend, exc, extra=explain
@@ -405,16 +409,5 @@ class GraphCompiler:
             )
         if self.observer is None:
             return compiled
-        self.observer.compiled(
-            graph_id=record.graph_id,
-            step=self.registry.steps,
-            start=t0,
-            end=t0 + record.compile_s,
-            segment_s=record.segment_compile_s,
-            plan_table=f"planned by {record.planned_by}\n{record.plan.describe()}\n{record.split.describe()}".strip(),
-            breaks=[record.graph_break] if record.graph_break else [],
-            recompile_reasons=reasons,
-            cache_hits=record.cache_hits,
-            control_plane=control_plane_counts(),
-        )
+        self.observer.compiled(**record.figures(step=self.registry.steps, start=t0))
         return self.observer.instrument(compiled, record.graph_id)

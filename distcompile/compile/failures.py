@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from .. import _torch_compat as compat
 from .._errors import CompileError
 
-__all__ = ["compile_failure"]
+log = logging.getLogger(__name__)
+
+__all__ = ["compile_failure", "dynamo_fallback"]
 
 
 def _ladder_hint(backend: str) -> str:
@@ -20,6 +25,21 @@ def _ladder_hint(backend: str) -> str:
         f"Try the next step down the debugging ladder, wrap(..., backend={lower!r}): if that works, the "
         f"problem is in the {backend} stage (distcompile.doctor walks the whole ladder)."
     )
+
+
+def dynamo_fallback(exc: BaseException, doing: str) -> BaseException | None:
+    """The exception to hand back to TorchDynamo as is, when ``exc`` (raised while ``doing``) is
+    one on which it breaks the graph instead of failing (``compat.dynamo_fallback_cause``: a
+    data-dependent size met while tracing a piece, as ``torch.compile`` meets it), else ``None``.
+
+    Example:
+        >>> dynamo_fallback(ValueError("boom"), "compiling graph 0") is None
+        True
+    """
+    fallback = compat.dynamo_fallback_cause(exc)
+    if fallback is not None:
+        log.info("%s: %s; TorchDynamo breaks the graph there, as torch.compile does", doing, fallback)
+    return fallback
 
 
 def compile_failure(

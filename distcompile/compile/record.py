@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .._store import control_plane_counts
 from ..planning.plan import Plan
 from ..planning.split import SplitPlan
 
@@ -55,3 +56,19 @@ class GraphRecord:
     def recompile_reason(self) -> str | None:
         """All failed guards on one line (``None`` for a first compile)."""
         return "; ".join(self.recompile_reasons) or None
+
+    def figures(self, *, step: int, start: float) -> dict[str, object]:
+        """What the compile observer (telemetry) is told of this graph, compiled at ``step``
+        from ``start`` (``time.perf_counter()``)."""
+        return {
+            "graph_id": self.graph_id,
+            "step": step,
+            "start": start,
+            "end": start + self.compile_s,
+            "segment_s": self.segment_compile_s,
+            "plan_table": f"planned by {self.planned_by}\n{self.plan.describe()}\n{self.split.describe()}".strip(),
+            "breaks": [self.graph_break] if self.graph_break else [],
+            "recompile_reasons": self.recompile_reasons,
+            "cache_hits": self.cache_hits,
+            "control_plane": control_plane_counts(),
+        }
