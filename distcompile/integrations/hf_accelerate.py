@@ -10,6 +10,7 @@ and ``no_sync()`` reach distcompile's ``no_sync``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -45,14 +46,24 @@ def enable(accelerator: Any, config: distcompile.Config | None = None, **options
             f"enable() takes an accelerate.Accelerator, got {type(accelerator).__name__}. "
             "Pass the Accelerator object you call prepare() on."
         )
-    if getattr(accelerator, "distcompile_config", None) is not None:
-        return accelerator  # enabled already: keep the first options, do not wrap twice
     cfg = (config or distcompile.Config()).replace(**options)
-    prepared = [m for m in accelerator._models if isinstance(m, DDP)]
-    if prepared:
+    enabled = getattr(accelerator, "distcompile_config", None)
+    if enabled is not None:
+        if enabled != cfg:
+            raise distcompile.ConfigError(
+                "enable() was already called on this Accelerator with other options "
+                f"({_differences(enabled, cfg)}); the models it prepares are compiled with the first. Call "
+                "enable() once, with every option."
+            )
+        return accelerator  # enabled already with these options: do not wrap twice
+    # Accelerate keeps every model passed to prepare() in _models (the user's own model, not
+    # the DDP it returned, in Accelerate 1.15): any entry means a model went by unwrapped.
+    if accelerator._models:
         raise distcompile.ConfigError(
-            f"this Accelerator already prepared {len(prepared)} DDP model(s); enable() changes what "
-            "prepare() returns, so call it right after creating the Accelerator, before prepare()."
+            f"this Accelerator already prepared {len(accelerator._models)} model(s) "
+            f"({', '.join(type(m).__name__ for m in accelerator._models)}), which train under Accelerate's own "
+            "DDP: enable() only changes what later prepare() calls return. Call enable() right after "
+            "creating the Accelerator (with the Trainer: right after building it, before train())."
         )
     prepare_model, unwrap_model = accelerator.prepare_model, accelerator.unwrap_model
 
@@ -102,3 +113,14 @@ def _check_no_accelerate_compile(accelerator: Any) -> None:
             "compiled twice. With distcompile, leave Accelerate's dynamo_backend unset (the default; for the "
             "Trainer: torch_compile=False) and pass compile options to enable() instead."
         )
+
+
+def _differences(first: distcompile.Config, second: distcompile.Config) -> str:
+    """The options two configs set differently, as ``name: first -> second``."""
+    pairs = [(g, h) for g, h in zip(first.as_groups(), second.as_groups())]
+    return ", ".join(
+        f"{f.name}: {getattr(g, f.name)!r} -> {getattr(h, f.name)!r}"
+        for g, h in pairs
+        for f in dataclasses.fields(g)
+        if getattr(g, f.name) != getattr(h, f.name)
+    )

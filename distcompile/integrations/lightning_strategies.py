@@ -14,9 +14,11 @@ them to the ``Trainer``/``Fabric`` of the same package.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 import distcompile
@@ -31,6 +33,13 @@ except ImportError:
     from pytorch_lightning.strategies import DDPStrategy as _TrainerDDP
 
 __all__ = ["DistCompileFabricStrategy", "DistCompileStrategy"]
+
+log = logging.getLogger(__name__)
+
+#: The LightningModule's methods that run eagerly: they read and write the trainer's state.
+_EAGER = ("log", "log_dict")
+#: Where a LightningModule keeps its compiled model between fits (an attribute, not a submodule).
+_KEPT = "_distcompile_kept"
 
 
 def _config(config: distcompile.Config | None, options: dict) -> distcompile.Config:
@@ -63,9 +72,26 @@ class DistCompileStrategy(_TrainerDDP):
         self.distcompile_model: distcompile.DistCompiledModule | None = None
 
     def configure_ddp(self) -> None:
-        """Build Lightning's DDP model (and its comm hook), then compile it with distcompile."""
+        """Build Lightning's DDP model (and its comm hook), then compile it with distcompile.
+
+        ``self.log`` and ``self.log_dict`` run eagerly (``torch.compiler.disable``): traced,
+        they read the trainer's logging state, which the graphs would guard on and recompile
+        for at each switch between training and validation. A second ``fit`` of the same
+        module with the same options reuses the first's compiled model.
+        """
         super().configure_ddp()
-        self.model = self.distcompile_model = distcompile.wrap(self.model, self.distcompile_config)
+        module = self.lightning_module
+        key = (self.distcompile_config, repr(sorted(self._ddp_kwargs.items())), self.model.process_group)
+        kept = module.__dict__.get(_KEPT)
+        if kept is not None and kept[0] == key and not kept[1].closed:
+            self.model = self.distcompile_model = kept[1]
+            log.info("distcompile: this LightningModule's compiled model from the last fit is reused")
+        else:
+            self.model = self.distcompile_model = distcompile.wrap(self.model, self.distcompile_config)
+            object.__setattr__(module, _KEPT, (key, self.model))  # not a submodule: out of state_dict
+        for name in _EAGER:
+            if name not in module.__dict__:
+                setattr(module, name, torch.compiler.disable(getattr(module, name)))
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:
@@ -78,10 +104,16 @@ class DistCompileStrategy(_TrainerDDP):
                 yield None
 
     def teardown(self) -> None:
-        """Close the compiled model (flushes telemetry), then Lightning's own teardown."""
-        if isinstance(self.model, distcompile.DistCompiledModule):
-            self.model.close()
-            self.model = self.lightning_module
+        """Give the module its own logging methods back, then Lightning's own teardown.
+
+        The compiled model stays open for the module's next ``fit`` (closed at interpreter exit,
+        or by ``strategy.distcompile_model.close()``, which also flushes telemetry).
+        """
+        module = self.lightning_module
+        if isinstance(self.model, distcompile.DistCompiledModule) and module is not None:
+            for name in _EAGER:
+                module.__dict__.pop(name, None)
+            self.model = module
         super().teardown()
 
 

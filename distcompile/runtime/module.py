@@ -357,6 +357,11 @@ class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):
             self._observer.close()
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (a closed model evaluates eagerly and no longer trains)."""
+        return self._closed
+
+    @property
     def last_step(self) -> StepStats:
         """Communication statistics of the last synchronized step on this rank."""
         return self._reducer.last_step if self._reducer is not None else StepStats()

@@ -271,3 +271,103 @@ def lightning_trainer_loop(rank: int, world: int, use_distcompile: bool, out_dir
         out["synced_steps"] = trainer.strategy.distcompile_model.last_step.step + 1
         out["graphs"] = len(trainer.strategy.distcompile_model.graphs)
     return out
+
+
+def accelerate_enable_late(rank: int, world: int, when: str) -> str:
+    """``enable()`` after ``prepare()`` (``when="after_prepare"``), or twice with other options
+    (``"twice"``): each must raise, not train on silently under Accelerate's own DDP."""
+    _env(rank, world)
+    from accelerate import Accelerator
+
+    from distcompile.integrations import hf_accelerate
+
+    accelerator = Accelerator(cpu=True)
+    try:
+        if when == "after_prepare":
+            accelerator.prepare(tiny_gpt2())
+            hf_accelerate.enable(accelerator, backend="eager")
+        else:
+            hf_accelerate.enable(accelerator, backend="eager")
+            hf_accelerate.enable(accelerator, backend="eager")  # the same options: accepted
+            hf_accelerate.enable(accelerator, backend="aot_eager")
+    except distcompile.ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def trainer_enable_after_train(rank: int, world: int, out_dir: str) -> str:
+    """``hf_trainer.enable(trainer)`` after a first ``trainer.train()``."""
+    _env(rank, world)
+    from distcompile.integrations import hf_trainer as dc_transformers
+
+    trainer = _trainer(out_dir, rank, False, max_steps=1)
+    trainer.train()
+    try:
+        dc_transformers.enable(trainer, backend="eager")
+    except distcompile.ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def lightning_fit_recompiles(rank: int, world: int, use_distcompile: bool, out_dir: str) -> dict:
+    """Two ``fit``s of two epochs each, with validation every epoch (its last batch smaller) and
+    ``self.log`` in both steps: what each fit compiles, and how long it takes."""
+    import time
+
+    _env(rank, world)
+    import pytorch_lightning as pl
+
+    from distcompile.integrations.lightning_strategies import DistCompileStrategy
+
+    class LitGPT(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = tiny_gpt2()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(input_ids=x, labels=x).loss
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            loss = self(batch)
+            self.log("loss", loss)
+            return loss
+
+        def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+            self.log("val_loss", self(batch), sync_dist=True)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    lit = LitGPT()
+    train = token_batches(rank, 4)
+    val = token_batches(rank + 10, 3)[:2] + [token_batches(rank + 20, 1, batch=2)[0]]  # last batch: 2 rows
+    fits = []
+    for _ in range(2):
+        strategy = DistCompileStrategy(backend="aot_eager") if use_distcompile else "ddp"
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=strategy,
+            max_epochs=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            default_root_dir=out_dir,
+            use_distributed_sampler=False,
+        )
+        start = time.perf_counter()
+        trainer.fit(
+            lit,
+            torch.utils.data.DataLoader(train, batch_size=None),
+            torch.utils.data.DataLoader(val, batch_size=None),
+        )
+        fit = {"seconds": time.perf_counter() - start}
+        if use_distcompile:
+            graphs = trainer.strategy.distcompile_model.graphs
+            fit["graphs"] = len(graphs)
+            fit["recompiles"] = [g.recompile_reason for g in graphs if g.recompile_reason]
+            fit["compile_s"] = sum(g.compile_s for g in graphs)
+        fits.append(fit)
+    return {"fits": fits, "params": [p.detach().clone() for p in lit.net.parameters()]}

@@ -33,3 +33,12 @@ def test_wrap_then_prepare_is_an_error_not_a_silent_double_reduce() -> None:
     for msg in run_ranks(stacks.accelerate_wrong_order, 2, timeout=300):
         assert "called from inside a torch.nn.parallel.DistributedDataParallel" in msg, msg
         assert "docs/integrations.md" in msg, msg
+
+
+@pytest.mark.parametrize("when", ["after_prepare", "twice"])
+def test_enable_after_prepare_or_twice_with_other_options_raises(when: str) -> None:
+    for msg in run_ranks(stacks.accelerate_enable_late, 2, when, timeout=300):
+        if when == "after_prepare":
+            assert "already prepared 1 model(s) (GPT2LMHeadModel)" in msg and "before train()" in msg, msg
+        else:
+            assert "already called on this Accelerator with other options (backend: 'eager' -> 'aot_eager')" in msg, msg

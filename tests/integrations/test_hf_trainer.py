@@ -33,3 +33,8 @@ def test_trainer_accumulation_checkpoint_resume(tmp_path) -> None:
         # 3 optimizer steps of 2 micro-batches; the resumed run adds 1 on its own model.
         assert b["synced_steps"] == 3, b["synced_steps"]
     _close(ours[1]["params"], ours[0]["params"], "ranks in sync")
+
+
+def test_enable_after_a_first_train_raises_instead_of_training_under_ddp(tmp_path) -> None:  # noqa: ANN001
+    for msg in run_ranks(stacks.trainer_enable_after_train, 2, str(tmp_path), timeout=300):
+        assert "already prepared" in msg and "before train()" in msg, msg

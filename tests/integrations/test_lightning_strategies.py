@@ -46,3 +46,19 @@ def test_trainer_strategy(tmp_path) -> None:
     assert ours[0]["graphs"] <= 4, (
         f"{ours[0]['graphs']} graphs: the training step must not recompile every step"
     )
+
+
+@pytest.mark.long  # two 2-epoch fits with validation: about a minute on 2 cores
+def test_fit_with_validation_recompiles_once_and_a_second_fit_reuses_the_first(tmp_path) -> None:
+    ref, ours = zip(*run_ranks(stacks.both, 2, stacks.lightning_fit_recompiles, str(tmp_path), timeout=900))
+    for rank, (a, b) in enumerate(zip(ref, ours)):
+        for i, (p, q) in enumerate(zip(b["params"], a["params"])):
+            np.testing.assert_allclose(p, q, rtol=RTOL, atol=ATOL, err_msg=f"param {i}, rank {rank}")
+        first, second = b["fits"]
+        # Training (a graph and the break after it), validation's first batch (no grad: two
+        # inference graphs), its smaller last batch (the batch dimension made dynamic: two more);
+        # nothing in the second epoch, nothing in the second fit.
+        assert first["graphs"] <= 6, first
+        assert second["graphs"] == first["graphs"], (first, second)
+        reasons = " ".join(first["recompiles"])
+        assert "_trainer" not in reasons and "_logger_connector" not in reasons, reasons
