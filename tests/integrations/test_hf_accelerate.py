@@ -41,4 +41,7 @@ def test_enable_after_prepare_or_twice_with_other_options_raises(when: str) -> N
         if when == "after_prepare":
             assert "already prepared 1 model(s) (GPT2LMHeadModel)" in msg and "before train()" in msg, msg
         else:
-            assert "already called on this Accelerator with other options (backend: 'eager' -> 'aot_eager')" in msg, msg
+            assert (
+                "already called on this Accelerator with other options (backend: 'eager' -> 'aot_eager')"
+                in msg
+            ), msg
