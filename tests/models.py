@@ -91,7 +91,7 @@ def batch(name: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     if name == "gpt":
         idx = torch.randint(0, 128, (4, 16), generator=g)
         return idx, torch.roll(idx, -1, dims=1)
-    if name == "convbn":
+    if name in ("convbn", "qat_eager", "qat_fx"):
         return torch.randn(4, 3, 8, 8, generator=g), torch.randn(4, 8, generator=g)
     if name == "mask_moe_unrolled":  # token types 0 to r + 1 on rank r
         x = torch.randn(8, 64, generator=g)
@@ -708,3 +708,105 @@ class UnrolledMaskMoE(MaskMoE):
 
 
 BUILDERS["mask_moe_unrolled"] = UnrolledMaskMoE
+
+
+# --- Models the first-step checks must not break (and one they must catch) ---
+
+
+class ResizedStat(nn.Module):
+    """A statistic kept in a buffer that starts empty and is resized by the first forward (as
+    the per-channel observers of quantization-aware training are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 8)
+        self.register_buffer("stat", torch.empty(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        with torch.no_grad():
+            if self.stat.numel() == 0:
+                self.stat.resize_(y.shape[1]).copy_(y.abs().amax(0))
+            else:
+                torch.maximum(self.stat, y.abs().amax(0), out=self.stat)
+        return y * 2
+
+
+class CounterBuffer(nn.Module):
+    """A buffer written in forward and read after the write: AOTAutograd (torch 2.13)
+    recomputes the read in backward after the write-back, so the compiled gradient is twice
+    eager's (an open torch pull request, "Don't recompute reads of mutated inputs")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 8)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.steps += 1
+        return self.lin(x) * (self.steps / 5)
+
+
+class _LNBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.a, self.b = nn.LayerNorm(64), nn.Linear(64, 128), nn.Linear(128, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(F.gelu(self.a(self.ln(x))))
+
+
+class PartialCheckpoint(nn.Module):
+    """Four alike blocks, the second and fourth under ``checkpoint``: TorchDynamo names the
+    region traced in the first checkpoint body from the second without holding it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_LNBlock() for _ in range(4))
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[0](x)
+        x = torch.utils.checkpoint.checkpoint(self.blocks[1], x, use_reentrant=False)
+        x = self.blocks[2](x)
+        x = torch.utils.checkpoint.checkpoint(self.blocks[3], x, use_reentrant=False)
+        return self.head(x)
+
+
+class _SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3)
+        self.relu, self.flat, self.fc = nn.ReLU(), nn.Flatten(), nn.Linear(8 * 4 * 4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.flat(self.relu(self.c2(self.relu(self.c1(x))))))
+
+
+def qat_eager() -> nn.Module:
+    """Eager-mode quantization-aware training: fake-quantized weights and activations, with
+    per-channel observers whose min/max buffers start empty."""
+    from torch.ao.quantization import get_default_qat_qconfig, prepare_qat
+
+    model = _SmallCNN()
+    model.qconfig = get_default_qat_qconfig("x86")
+    return prepare_qat(model.train())
+
+
+def qat_fx() -> nn.Module:
+    """FX-mode quantization-aware training (``prepare_qat_fx``)."""
+    from torch.ao.quantization import get_default_qat_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import prepare_qat_fx
+
+    model = _SmallCNN().train()
+    return prepare_qat_fx(model, get_default_qat_qconfig_mapping("x86"), (torch.randn(2, 3, 8, 8),))
+
+
+BUILDERS.update(
+    resized_stat=ResizedStat,
+    counter_buffer=CounterBuffer,
+    partial_checkpoint=PartialCheckpoint,
+    qat_eager=qat_eager,
+    qat_fx=qat_fx,
+)

@@ -50,6 +50,8 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
         wrap_kwargs["compression"] = "bf16"
     if case == "auto":
         wrap_kwargs["bucket_cap_mb"] = "auto"
+    if case == "verify":
+        wrap_kwargs["verify"] = True
     if case in _DYNAMIC:
         wrap_kwargs["dynamic"] = _DYNAMIC[case]
     if case == "dynamic_shapes":  # dynamic=True on the model's own inputs, no length schedule

@@ -31,7 +31,6 @@ __all__ = [
     "inductor_modes",
     "is_compiled_module",
     "lookup_backend",
-    "release_backend",
     "set_optimize_ddp",
 ]
 
@@ -80,45 +79,6 @@ def compile_module(
     except TypeError as exc:
         raise unsupported("torch._dynamo.optimize(guard_fail_fn=...)", exc) from exc
     return ctx(module)
-
-
-def release_backend(backend: Callable) -> int:
-    """Drop what TorchDynamo keeps of ``backend``'s compiles; return how many cache entries went.
-
-    TorchDynamo keeps every backend it was given in ``eval_frame.cached_backends`` (until
-    ``torch._dynamo.reset()``), and each compiled frame as a cache entry on its code object
-    that holds the backend and the compiled function (installed as a global of the frame's
-    module until the entry dies). A closed model would live as long as the process. Each
-    entry whose backend is ``backend`` is invalidated the way TorchDynamo invalidates an entry
-    whose guarded object died (its guards then always fail and it holds nothing); the frames'
-    code objects are found in ``convert_frame.input_codes``. Entries of other backends stay.
-    Checked: 2.13.
-
-    Example:
-        >>> release_backend(lambda gm, inputs: gm.forward)  # never used: nothing to drop
-        0
-    """
-    try:
-        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-        from torch._dynamo import convert_frame, eval_frame
-        from torch._dynamo.guards import DeletedGuardManagerWrapper
-    except ImportError as exc:
-        raise unsupported("TorchDynamo's cache entries (eval_frame, guards)", exc) from exc
-    released = 0
-    for ref in list(convert_frame.input_codes.seen):
-        code = ref()
-        if code is None:
-            continue
-        for entry in _debug_get_cache_entry_list(code):
-            if entry.backend is None or eval_frame.innermost_backend(entry.backend) is not backend:
-                continue
-            manager = entry.guard_manager
-            state = getattr(manager, "extra_state", None)
-            if state is not None and getattr(manager, "cache_entry", None) is not None:
-                state.invalidate(entry, DeletedGuardManagerWrapper("distcompile: its model was closed"))
-                released += 1
-    eval_frame.cached_backends.pop(id(backend), None)
-    return released
 
 
 def is_compiled_module(module: object) -> bool:

@@ -235,9 +235,19 @@ def _same_kind(inner: fx.Node, outer: object) -> bool:
     return isinstance(a, torch.Tensor) == isinstance(b, torch.Tensor)
 
 
-def _inline_call(gm: fx.GraphModule, call: fx.Node, first: fx.Node, firsts: dict[str, fx.Node]) -> None:
-    body = getattr(gm, str(call.args[0].target))
-    _inline_here(body, firsts)  # regions inside the region
+def _inline_call(
+    gm: fx.GraphModule, call: fx.Node, first: fx.Node, firsts: dict[str, fx.Node], bodies: dict
+) -> None:
+    target = str(call.args[0].target)
+    # TorchDynamo (2.13) keeps a region traced inside one checkpoint body as that body's
+    # attribute, and a later checkpoint body that calls the same region names it without
+    # holding it: the body is found among every graph module of the capture.
+    body = getattr(gm, target, None) or bodies.get(target)
+    if not isinstance(body, fx.GraphModule):
+        raise RegionNotInlined(
+            f"{call.name} calls a region body {target!r} that no graph of the capture holds"
+        )
+    _inline_here(body, firsts, bodies)  # regions inside the region
     graph = gm.graph
     env: dict[fx.Node, object] = {}
     placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
@@ -291,20 +301,29 @@ def inline_regions(gm: fx.GraphModule) -> fx.GraphModule:
         'output'
     """
     first: dict[str, fx.Node] = {}  # each region's first call, over all graphs in trace order
-    for graph in [gm, *(m for m in gm.modules() if m is not gm and isinstance(m, fx.GraphModule))]:
-        _inline_here(graph, first)
+    graphs = [gm, *(m for m in gm.modules() if m is not gm and isinstance(m, fx.GraphModule))]
+    bodies = {path.rpartition(".")[2]: m for path, m in gm.named_modules() if isinstance(m, fx.GraphModule)}
+    try:
+        for graph in graphs:
+            _inline_here(graph, first, bodies)
+    except RegionNotInlined:
+        raise
+    except Exception as exc:  # any other failure here: the model is captured again without regions
+        raise RegionNotInlined(
+            f"inlining the nested compile regions failed: {type(exc).__name__}: {exc}"
+        ) from exc
     left = [n.name for m in gm.modules() if isinstance(m, fx.GraphModule) for n in _region_calls(m)]
     if left:
         raise RegionNotInlined(f"nested compile region calls left after inlining: {left[:3]}")
     return gm
 
 
-def _inline_here(gm: fx.GraphModule, first: dict[str, fx.Node]) -> None:
+def _inline_here(gm: fx.GraphModule, first: dict[str, fx.Node], bodies: dict) -> None:
     calls = _region_calls(gm)
     if not calls:
         return
     for call in calls:
-        _inline_call(gm, call, first.setdefault(str(call.args[1]), call), first)
+        _inline_call(gm, call, first.setdefault(str(call.args[1]), call), first, bodies)
     for node in list(gm.graph.nodes):
         if node.op == "get_attr" and not node.users:
             gm.graph.erase_node(node)

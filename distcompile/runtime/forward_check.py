@@ -43,8 +43,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -52,6 +54,7 @@ from torch import nn
 from .. import _torch_compat as compat
 from .._errors import VerificationError
 from .checkpoint import rng_state, set_rng_state
+from .verify import GradTap
 
 __all__ = ["ForwardCheck"]
 
@@ -70,7 +73,18 @@ class _State:
 
     def __init__(self, module: nn.Module) -> None:
         self.rng = rng_state()
-        self.buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        # Each module's buffer entries, by identity and value: a forward may resize a buffer
+        # (an observer's empty min_val), assign a new one or register one (created lazily).
+        self.buffers = [
+            (
+                m,
+                {
+                    n: (b, None if b is None else b.detach().clone())
+                    for n, b in compat.module_dicts(m)[1].items()
+                },
+            )
+            for m in module.modules()
+        ]
         self.attrs = [
             (
                 m,
@@ -83,16 +97,47 @@ class _State:
             for m in module.modules()
         ]
 
+    @contextlib.contextmanager
+    def copies(self) -> Iterator[None]:
+        """Inside, the module's buffers are copies (what a run writes to them, and what its
+        autograd graph saves of them, stays there); after, the same objects as before."""
+        for m, saved in self.buffers:
+            entries = compat.module_dicts(m)[1]
+            for name, (_, value) in saved.items():
+                if value is not None:
+                    entries[name] = value.clone()
+        try:
+            yield
+        finally:
+            self.restore()
+
     def restore(self) -> None:
         with torch.no_grad():
-            for b, value in self.buffers:
-                b.copy_(value)
+            for m, saved in self.buffers:
+                entries = compat.module_dicts(m)[1]
+                for name in [n for n in entries if n not in saved]:  # registered by the run
+                    compat.drop_buffer(m, name)
+                for name, (b, value) in saved.items():
+                    entries[name] = b  # the object it was, if the run assigned another
+                    if b is not None:
+                        _put_back(b, value)
         for m, saved in self.attrs:
             for k in [k for k in vars(m) if k[:1] != "_" and k not in saved]:
                 delattr(m, k)  # set by the run: not there before
             for k, v in saved.items():
                 setattr(m, k, copy.copy(v) if isinstance(v, _SHALLOW) else v)
         set_rng_state(self.rng)
+
+
+def _put_back(b: torch.Tensor, value: torch.Tensor) -> None:
+    """``b``'s values (and size) as ``value``'s, in place where it can be."""
+    if b.shape == value.shape and b.dtype == value.dtype:
+        b.copy_(value)
+        return
+    try:
+        b.resize_(value.shape).copy_(value)  # resized by the run (resize_ keeps the object)
+    except RuntimeError:  # a tensor that cannot be resized in place: take the saved one's data
+        b.data = value.clone()
 
 
 def _leaves(out: object) -> list[torch.Tensor | None]:
@@ -115,6 +160,52 @@ def _differences(got: list, want: list, tol: float) -> list[str]:
     return found
 
 
+class _Seen:
+    """One checked step's gradients: the eager outputs, what reached the compiled outputs, and
+    what the compiled backward gave each parameter (this backward's, before accumulation)."""
+
+    def __init__(self, leaves: list, tol: float) -> None:
+        self.leaves = leaves
+        self.tol = tol
+        self.out_grads: dict[int, torch.Tensor] = {}
+        self.grads: dict[str, torch.Tensor] = {}
+        self.hooks: list = []
+        self.queued = False
+
+    def param_grad(self, name: str, grad: torch.Tensor) -> None:
+        self.grads[name] = grad.detach().clone()
+
+
+def _differentiable(t: object, grad: torch.Tensor) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad and t.shape == grad.shape
+
+
+def _gradient_differences(
+    names: list[str], want: tuple, got: Mapping[str, torch.Tensor], tol: float
+) -> list[str]:
+    """Parameters whose compiled gradient is not eager's within ``tol`` of its scale (the
+    largest eager gradient, at least 1% of the median of those over the model)."""
+    maxima = [float(g.abs().max()) for g in want if g is not None and g.numel()]
+    floor = 0.01 * statistics.median([m for m in maxima if m > 0] or [0.0]) or 1e-12
+    found = []
+    for n, w in zip(names, want):
+        g = got.get(n)
+        if w is None or g is None:
+            if (w is None) != (g is None) and (w if w is not None else g).abs().max() > 0:
+                found.append(f"{n}: {'eager' if g is None else 'the compiled step'} alone has a gradient")
+            continue
+        diff = float((g.float() - w.float()).abs().max())
+        scale = max(float(w.abs().max()), floor)
+        if not diff <= tol * scale:
+            ratio = float(
+                g.float().flatten() @ w.float().flatten() / max(float(w.float().square().sum()), 1e-30)
+            )
+            found.append(
+                f"gradient of {n} differs from eager's by {diff:.3g} (scale {scale:.3g}; {ratio:.3g}x eager's)"
+            )
+    return found
+
+
 class ForwardCheck:
     """The default first-step check of one wrapped model (Note [First-step forward check]).
 
@@ -130,8 +221,14 @@ class ForwardCheck:
         tolerance: float | None,
         as_captured: Callable[[], contextlib.AbstractContextManager],
         describe: Callable[[], str],
+        params: Mapping[str, nn.Parameter] | None = None,
+        settle: Callable[[], None] = lambda: None,
+        parted: Callable[[], set[int]] = set,
     ) -> None:
         self.module = module
+        self.params = dict(params or {})  # the trainable parameters whose gradients are compared
+        self.settle = settle  # the reducer's end of step, before a mismatch raises
+        self.parted = parted  # ids of parameters whose uses' gradients travel apart (not compared)
         self.backend = backend
         self.tolerance = tolerance
         self.as_captured = as_captured  # the compiled module's graphs run uncompiled inside it
@@ -142,12 +239,21 @@ class ForwardCheck:
     def run(self, eager: Callable[[], object], compiled: Callable[[], object]) -> object:
         """A checked step: ``eager`` (the module on the step's inputs), ``compiled`` as captured,
         then ``compiled`` for real, whose output is returned."""
-        state = _State(self.module)
-        with compat.random_ops_seen() as random_ops:
+        try:
+            state = _State(self.module)
+        except Exception as exc:  # noqa: BLE001 - a state that cannot be copied: no check, no harm
+            log.info(
+                "forward check: skipped, the model's state cannot be copied to run it three times (%s: %s)",
+                type(exc).__name__,
+                exc,
+            )
+            self.pending = False
+            return compiled()
+        with compat.random_ops_seen() as random_ops, state.copies():
             # A forward that raises eagerly raises here, its effects kept as one call's: the
             # check stays pending (a user's error on a first batch is the user's to see).
-            want = _leaves(eager())
-        state.restore()
+            reference = eager()
+        want = _leaves(reference)
         try:
             with self.as_captured():
                 captured = _leaves(compiled())
@@ -166,6 +272,8 @@ class ForwardCheck:
             findings += [f"compiled: {d}" for d in _differences(_leaves(out), want, tol or 1e-3)]
         if findings:
             self._fail(findings)
+        if compared and torch.is_grad_enabled() and self.params:
+            out = self._watch_gradients(reference, out, tol or 1e-3)
         log.debug(
             "forward check %d passed (%s)",
             self.checked,
@@ -175,14 +283,70 @@ class ForwardCheck:
         )
         return out
 
+    def _watch_gradients(self, reference: object, out: object, tol: float) -> object:
+        """``out`` with a tap on each output; when ``backward()`` ends, the gradients it gave
+        each parameter are compared with the eager forward's for the same output gradients."""
+        leaves = compat.tree_leaves(reference)
+        if len(leaves) != len(compat.tree_leaves(out)):
+            return out
+        seen = _Seen(leaves, tol)
+        seen.hooks = [p.register_hook(functools.partial(seen.param_grad, n)) for n, p in self.params.items()]
+        index = iter(range(len(leaves)))
+
+        def tap(t: object) -> object:
+            i = next(index)
+            if not (isinstance(t, torch.Tensor) and t.requires_grad):
+                return t
+            return GradTap.apply(t, functools.partial(self._output_grad, seen, i))
+
+        return compat.tree_map_only(object, tap, out)
+
+    def _output_grad(self, seen: _Seen, index: int, grad: torch.Tensor | None) -> None:
+        if grad is not None:
+            seen.out_grads[index] = grad.detach()
+        if not seen.queued:
+            seen.queued = True
+            compat.queue_engine_callback(functools.partial(self._compare_gradients, seen))
+
+    def _compare_gradients(self, seen: _Seen) -> None:
+        for h in seen.hooks:
+            h.remove()
+        self.settle()  # the step's all-reduces complete on every rank before this one raises
+        parted = self.parted()
+        names = [n for n, p in self.params.items() if id(p) not in parted]
+        pairs = [(seen.leaves[i], g) for i, g in seen.out_grads.items() if _differentiable(seen.leaves[i], g)]
+        if not pairs or not names:
+            return
+        try:
+            want = torch.autograd.grad(
+                [t for t, _ in pairs],
+                [self.params[n] for n in names],
+                [g for _, g in pairs],
+                allow_unused=True,
+            )
+        except RuntimeError as exc:  # the eager graph cannot be differentiated again here
+            log.info("forward check: gradients not compared (%s)", " ".join(str(exc).split())[:200])
+            return
+        findings = _gradient_differences(names, want, seen.grads, seen.tol)
+        if findings:
+            self._fail([f"compiled backward: {f}" for f in findings])
+        log.debug("forward check %d: gradients of %d parameters match eager's", self.checked, len(names))
+
     def _fail(self, findings: list[str]) -> None:
         captured = any(f.startswith("as captured") for f in findings)
-        why = (
-            "TorchDynamo's capture of this model does not do what its code does eagerly (run uncompiled, "
-            "the captured graphs give other values)"
-            if captured
-            else "the compiler's code for this model gives other values than eager for these inputs"
-        )
+        if captured:
+            why = (
+                "TorchDynamo's capture of this model does not do what its code does eagerly (run "
+                "uncompiled, the captured graphs give other values)"
+            )
+        elif findings[0].startswith("compiled backward"):
+            why = (
+                "the compiled backward gives other gradients than eager's for the same output gradients "
+                "(one known cause, a torch bug: a buffer written in forward and read after the write gets "
+                "twice its gradient, AOTAutograd recomputing the read in backward after the write-back)"
+            )
+        else:
+            why = "the compiler's code for this model gives other values than eager for these inputs"
         fix = (
             "Capture without nested compile regions: wrap(..., regions=False)"
             if captured

@@ -198,6 +198,9 @@ class ModelBuild:
                 tolerance=config.verify_tolerance,
                 as_captured=self._backend.as_captured,
                 describe=self._describe_check,
+                params=params,
+                settle=self._reducer.finish_step,
+                parted=self._reducer.parts.parted,
             )
         if not config.verify:
             return None

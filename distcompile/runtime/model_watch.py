@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .. import _torch_compat as compat
 from .._agreement import default_store
 from .._errors import DesyncError
 from .._store import StoreTimeout, agree, counted
@@ -114,7 +115,7 @@ class ModelWatch:
     def take(self) -> None:
         """Note the model as it is now (after an adoption, or a change with nothing to adopt)."""
         mods = list(self.module.modules())
-        self._dicts = [d for m in mods for d in (m._parameters, m._buffers, m._modules)]
+        self._dicts = [d for m in mods for d in compat.module_dicts(m)]
         self._lens = list(map(len, self._dicts))
         self._slot_dicts = [d for d in self._dicts for _ in d]
         self._slot_keys = [k for d in self._dicts for k in d]

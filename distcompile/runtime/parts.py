@@ -58,6 +58,10 @@ class SharedParts:
                 holder = self.holders[part.name] = p.detach()
                 self._of.setdefault(id(p), []).append(holder)
 
+    def parted(self) -> set[int]:
+        """``id``s of the parameters some of whose uses' gradients are taken as parts."""
+        return set(self._of)
+
     def layout(
         self, graph_buckets: Mapping[int, Sequence[Sequence[str]]], graphs: Sequence[int]
     ) -> tuple[dict, dict[str, torch.Tensor], set[int]] | None:

@@ -58,7 +58,7 @@ from .._errors import VerificationError
 from .checkpoint import rng_state, set_rng_state
 from .collectives import all_reduce_coalesced, group_device
 
-__all__ = ["StepCheck"]
+__all__ = ["GradTap", "StepCheck"]
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def _checksums(tensors: list[torch.Tensor | None], device: torch.device) -> torc
     return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64, device=device)
 
 
-class _Tap(torch.autograd.Function):
+class GradTap(torch.autograd.Function):
     """Identity (a copy) whose backward hands the incoming gradient to ``record``."""
 
     @staticmethod
@@ -186,7 +186,7 @@ class StepCheck:
             armed.out.append(t.detach() if tensor else None)
             if not (tensor and t.requires_grad):
                 return t
-            return _Tap.apply(t, functools.partial(self._record, armed, i))
+            return GradTap.apply(t, functools.partial(self._record, armed, i))
 
         return compat.tree_map_only(object, tap, out)
 

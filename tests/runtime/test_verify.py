@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests import verify_workers
+from tests import verify_workers, workers
 from tests.harness import run_ranks
+from tests.runtime.test_parity import TOL
+from tests.runtime.test_parity import _check as check_parity_within
 
 
 def test_a_right_model_with_buffers_passes_and_is_checked_once() -> None:
@@ -84,3 +86,32 @@ def test_the_default_forward_check_passes_right_models_and_rechecks_after_recomp
         # The first step, and the first after a call that compiled (lengths 16, 9, 12: the
         # call at 12 is checked, and compiles its own graph inside the check).
         assert res["checked"] == (2 if inject else 1), res
+
+
+# -- models the checks must not break (they train), and one they must catch --------------------
+
+
+@pytest.mark.parametrize(
+    ("model", "backend", "case"),
+    [
+        ("resized_stat", "aot_eager", "plain"),  # a buffer the first forward resizes
+        ("qat_eager", "aot_eager", "plain"),  # observers' empty min/max buffers
+        ("qat_fx", "aot_eager", "plain"),
+        pytest.param("qat_fx", "inductor", "verify", marks=pytest.mark.slow),
+        ("partial_checkpoint", "aot_eager", "plain"),  # regions in and out of checkpoint bodies
+        pytest.param("partial_checkpoint", "inductor", "plain", marks=pytest.mark.slow),
+    ],
+)
+def test_the_checks_never_break_a_model_that_trains(model: str, backend: str, case: str) -> None:
+    results = run_ranks(workers.parity, 2, model, backend, case, timeout=600)
+    check_parity_within(results, TOL[backend])
+    if model == "partial_checkpoint":  # the regions held: no capture again without them
+        assert all(res["regions_kept"] for res in results), results[0]["regions_kept"]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_the_default_check_catches_a_compiled_gradient_twice_eagers(backend: str) -> None:
+    for res in run_ranks(verify_workers.forward_check_run, 2, "counter_buffer", backend):
+        assert res["error"] is not None and res["step"] == 0, res
+        assert "compiled backward: gradient of lin.weight differs" in res["error"], res["error"]
+        assert "2x eager's" in res["error"] and "read after the write" in res["error"], res["error"]

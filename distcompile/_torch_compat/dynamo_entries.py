@@ -1,0 +1,76 @@
+"""What TorchDynamo keeps of what it compiled (cache entries, backends), and nn.Module's own dicts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .version import unsupported
+
+__all__ = ["drop_buffer", "module_dicts", "release_backend"]
+
+
+def release_backend(backend: Callable) -> int:
+    """Drop what TorchDynamo keeps of ``backend``'s compiles; return how many cache entries went.
+
+    TorchDynamo keeps every backend it was given in ``eval_frame.cached_backends`` (until
+    ``torch._dynamo.reset()``), and each compiled frame as a cache entry on its code object
+    that holds the backend and the compiled function (installed as a global of the frame's
+    module until the entry dies). A closed model would live as long as the process. Each
+    entry whose backend is ``backend`` is invalidated the way TorchDynamo invalidates an entry
+    whose guarded object died (its guards then always fail and it holds nothing); the frames'
+    code objects are found in ``convert_frame.input_codes``. Entries of other backends stay.
+    Checked: 2.13.
+
+    Example:
+        >>> release_backend(lambda gm, inputs: gm.forward)  # never used: nothing to drop
+        0
+    """
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._dynamo import convert_frame, eval_frame
+        from torch._dynamo.guards import DeletedGuardManagerWrapper
+    except ImportError as exc:
+        raise unsupported("TorchDynamo's cache entries (eval_frame, guards)", exc) from exc
+    released = 0
+    for ref in list(convert_frame.input_codes.seen):
+        code = ref()
+        if code is None:
+            continue
+        for entry in _debug_get_cache_entry_list(code):
+            if entry.backend is None or eval_frame.innermost_backend(entry.backend) is not backend:
+                continue
+            manager = entry.guard_manager
+            state = getattr(manager, "extra_state", None)
+            if state is not None and getattr(manager, "cache_entry", None) is not None:
+                state.invalidate(entry, DeletedGuardManagerWrapper("distcompile: its model was closed"))
+                released += 1
+    eval_frame.cached_backends.pop(id(backend), None)
+    return released
+
+
+def module_dicts(module: torch.nn.Module) -> tuple[dict, dict, dict]:
+    """``module``'s own parameter, buffer and submodule dicts (the objects, not copies).
+
+    What ``nn.Module`` registers lives in these three; comparing their entries by identity is
+    how a change after ``wrap`` is seen without walking names. Checked: 2.11, 2.13, 2.15.
+
+    Example:
+        >>> params, buffers, modules = module_dicts(torch.nn.Linear(1, 1))
+        >>> sorted(params), buffers, modules
+        (['bias', 'weight'], {}, {})
+    """
+    return module._parameters, module._buffers, module._modules  # type: ignore[return-value]
+
+
+def drop_buffer(module: torch.nn.Module, name: str) -> None:
+    """Unregister buffer ``name`` of ``module`` (persistent or not), as if never registered.
+
+    Example:
+        >>> m = torch.nn.Module(); m.register_buffer("x", torch.zeros(1), persistent=False)
+        >>> drop_buffer(m, "x"); "x" in dict(m.named_buffers())
+        False
+    """
+    module._buffers.pop(name, None)
+    module._non_persistent_buffers_set.discard(name)
