@@ -699,3 +699,44 @@ def tree_leader_lost(rank: int, world: int, cache_root: str) -> dict:
     lines = distcompile_messages()
     out = sharing.compile_all(jobs, compile_one=lambda job: job.key, graph="g")
     return {"out": out, "log": lines, "broken": store.check(["tl/tree/broken"]), "route": sharing.route}
+
+
+def adaptive_weight_warm(rank: int, world: int, folder: str) -> dict:
+    """VQGAN's adaptive loss weight (two ``autograd.grad(..., retain_graph=True)`` on the last
+    layer's weight, then ``(nll + w * g_loss).backward()``), two steps under the defaults with an
+    empty compile cache, then two more in a new capture of the same model on that cache."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    torch.manual_seed(0)
+    base = BUILDERS["mlp_seq"]()
+
+    def step(model: torch.nn.Module, s: int) -> float:
+        x, y = batch("mlp_seq", rank, s)
+        out = model(x)
+        nll, g_loss = loss_fn("mlp_seq", out, y), out.abs().mean()
+        last = distcompile.unwrap(model)[-1].weight
+        g1 = torch.autograd.grad(nll, last, retain_graph=True)[0]
+        g2 = torch.autograd.grad(g_loss, last, retain_graph=True)[0]
+        w = (g1.norm() / (g2.norm() + 1e-4)).detach()
+        loss = nll + w * g_loss
+        loss.backward()
+        return float(loss)
+
+    results: dict = {"losses": [], "cache_hits": []}
+    ref, ours = DDP(copy.deepcopy(base)), copy.deepcopy(base)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ref, ours)]
+    for life in ("cold", "warm"):
+        torch._dynamo.reset()
+        model = distcompile.wrap(DDP(ours), backend="inductor")
+        for s in range(2):
+            pair = []
+            for m, opt in ((ref, opts[0]), (model, opts[1])):
+                pair.append(step(m, s + (2 if life == "warm" else 0)))
+                opt.step()
+                opt.zero_grad()
+            results["losses"].append(tuple(pair))
+        results["cache_hits"].append(sum(g.cache_hits for g in model.graphs))
+        model.close()
+    results["params"] = [p.detach().clone() for p in ours.parameters()]
+    results["ref_params"] = [p.detach().clone() for p in ref.module.parameters()]
+    results["buffers"] = results["ref_buffers"] = []
+    return results

@@ -6,10 +6,11 @@ AOTAutograd lets a compiled backward write its results into the memory of saved
 activations it no longer needs (``bw_donated_idxs``), which is only right if the graph is
 freed after that backward. A backward compiled lazily at its first run looks at that run:
 under ``retain_graph=True`` it is compiled without donation. One compiled before any
-backward ran (with its forward, to share it between ranks) or loaded from the compile
-cache was compiled for a backward that frees its graph, and torch refuses
-``retain_graph=True`` there ("non-empty donated buffers"). These helpers let distcompile
-say so first, naming the fix (``wrappers.recording``).
+backward ran (with its forward, to share it between ranks) was compiled for a backward that
+frees its graph, and torch refuses ``retain_graph=True`` there ("non-empty donated
+buffers"); one loaded from the compile cache is as it was compiled when cached (read from
+its loaded metadata, in the running backward). These helpers let distcompile say so first,
+naming the fix (``wrappers.recording``), and only where torch would refuse.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BackwardDonation", "backward_keeps_graph", "piece_donation", "random_ops_seen"]
+__all__ = [
+    "BackwardDonation",
+    "backward_keeps_graph",
+    "donating_backwards_upstream",
+    "piece_donation",
+    "random_ops_seen",
+]
 
 
 @dataclass
@@ -50,13 +57,13 @@ class BackwardDonation:
         Checked: 2.13 (``torch._functorch.config.donated_buffer``, ``bw_donated_idxs``).
 
         Example:
-            >>> BackwardDonation(None, lazy=False).donates(first_backward=True) == torch._functorch.config.donated_buffer
-            True
+            >>> BackwardDonation(None, lazy=False).donates(first_backward=True)  # outside a backward
+            False
         """
         if not torch._functorch.config.donated_buffer:
             return False
-        if self.meta is None:
-            return True
+        if self.meta is None:  # loaded: what it was compiled for is read from the running graph
+            return bool(donating_backwards_upstream())
         if self.lazy and first_backward:  # it compiles now, for a retained graph: no donation
             return False
         return bool(getattr(self.meta, "bw_donated_idxs", None))
@@ -98,6 +105,35 @@ def backward_keeps_graph() -> bool:
         return bool(torch._C._autograd._get_current_graph_task_keep_graph())
     except (AttributeError, RuntimeError):
         return False
+
+
+def donating_backwards_upstream() -> int | None:
+    """From inside a backward hook: how many of AOTAutograd's compiled backwards still to run
+    in this backward (the running node and those it leads to) write into saved activations
+    (``bw_donated_idxs``); ``None`` outside a backward. What a piece loaded from the compile
+    cache was compiled for is known only here, from its loaded metadata, which torch's own
+    check reads the same way (``_backward_impl``).
+
+    Checked: 2.13 (``torch._C._current_autograd_node``; ``CompiledFunctionBackward._forward_cls.metadata``).
+
+    Example:
+        >>> donating_backwards_upstream() is None  # outside a backward
+        True
+    """
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return None
+    found, seen, stack = 0, set(), [node]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        meta = getattr(getattr(fn, "_forward_cls", None), "metadata", None)
+        if meta is not None and getattr(meta, "bw_donated_idxs", None):
+            found += 1
+        stack.extend(f for f, _ in getattr(fn, "next_functions", ()))
+    return found
 
 
 class _RandomOps:

@@ -144,6 +144,7 @@ def inductor_compiler(
         # reach the user with no frame of ours. ``is_backward``: Inductor's own flag.
         try:
             if kwargs.get("is_backward"):
+                _say_no_donation()
                 with _keyed_on_donated_buffers():
                     return compile_fx_inner(gm, example_inputs, **kwargs)
             return compile_fx_inner(gm, example_inputs, **kwargs)
@@ -158,6 +159,21 @@ def inductor_compiler(
     if fallback_random:
         patches["fallback_random"] = True
     return functools.partial(compile_fx, inner_compile=inner_compile, config_patches=patches)
+
+
+def _say_no_donation() -> None:
+    """A backward compiled without donated buffers (``donated_buffer`` off while it compiles:
+    ``pieces.eager_backward``) records an empty list of them, as one compiled lazily for a
+    retained graph does. Left ``None``, torch's check at run time reads it as donating and
+    refuses ``retain_graph=True`` (torch 2.13 ``_backward_impl``: ``bw_donated_idxs != []``),
+    and so does a process that loads it from the cache. Checked: 2.13."""
+    from torch._functorch import config
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None) if context is not None else None
+    if not config.donated_buffer and meta is not None and getattr(meta, "bw_donated_idxs", []) is None:
+        meta.bw_donated_idxs = []
 
 
 def _keyed_on_donated_buffers() -> contextlib.AbstractContextManager:

@@ -247,10 +247,15 @@ def eager_backward() -> contextlib.AbstractContextManager:
 
     Normally the backward is compiled at its first run, and AOTAutograd's cache entry is
     written only then; compiled at once, the entry is whole when the compile returns, so
-    another process can load both. The backward is compiled for ``retain_graph=False``
-    (donated buffers): ``backward(retain_graph=True)`` then needs
-    ``torch._functorch.config.donated_buffer = False``, as after any AOTAutograd cache hit.
-    Checked: 2.13, 2.15 (``torch._functorch.config.force_non_lazy_backward_lowering``).
+    another process can load both. Compiled at its first run, a backward that retains its
+    graph (``retain_graph=True``, ``autograd.grad`` of two losses) is compiled without
+    donated buffers (its results in memory of their own, not in saved activations it would
+    read again); compiled at once, it cannot know, so it is compiled without them too: a
+    shared compile trains every step that ``torch.compile`` trains. The cost: such backwards
+    do not reuse freed activations for their results (a little more peak memory in
+    backward); Inductor's cache key includes the donation (``_keyed_on_donated_buffers``).
+    Checked: 2.13, 2.15 (``torch._functorch.config.force_non_lazy_backward_lowering``,
+    ``donated_buffer``).
 
     Example:
         >>> with eager_backward():
@@ -260,7 +265,7 @@ def eager_backward() -> contextlib.AbstractContextManager:
 
     if not hasattr(config, "force_non_lazy_backward_lowering"):
         return contextlib.nullcontext()
-    return config.patch(force_non_lazy_backward_lowering=True)
+    return config.patch(force_non_lazy_backward_lowering=True, donated_buffer=False)
 
 
 def compile_caches_enabled() -> bool:

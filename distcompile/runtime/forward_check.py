@@ -161,19 +161,23 @@ def _differences(got: list, want: list, tol: float) -> list[str]:
 
 
 class _Seen:
-    """One checked step's gradients: the eager outputs, what reached the compiled outputs, and
-    what the compiled backward gave each parameter (this backward's, before accumulation)."""
+    """One checked step's gradients: the eager outputs, what reached the compiled outputs in the
+    running backward, and what each parameter's ``.grad`` gained from it (known only in a
+    backward that accumulates: ``autograd.grad`` calls before it are let pass)."""
 
-    def __init__(self, leaves: list, tol: float) -> None:
+    def __init__(self, leaves: list, tol: float, params: Mapping[str, nn.Parameter]) -> None:
         self.leaves = leaves
         self.tol = tol
+        self.before = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
         self.out_grads: dict[int, torch.Tensor] = {}
         self.grads: dict[str, torch.Tensor] = {}
         self.hooks: list = []
         self.queued = False
 
-    def param_grad(self, name: str, grad: torch.Tensor) -> None:
-        self.grads[name] = grad.detach().clone()
+    def accumulated(self, name: str, param: torch.Tensor) -> None:
+        before = self.before.get(name)
+        grad = param.grad.detach()
+        self.grads[name] = grad - before if before is not None else grad.clone()
 
 
 def _differentiable(t: object, grad: torch.Tensor) -> bool:
@@ -289,8 +293,11 @@ class ForwardCheck:
         leaves = compat.tree_leaves(reference)
         if len(leaves) != len(compat.tree_leaves(out)):
             return out
-        seen = _Seen(leaves, tol)
-        seen.hooks = [p.register_hook(functools.partial(seen.param_grad, n)) for n, p in self.params.items()]
+        seen = _Seen(leaves, tol, self.params)
+        seen.hooks = [
+            p.register_post_accumulate_grad_hook(functools.partial(seen.accumulated, n))
+            for n, p in self.params.items()
+        ]
         index = iter(range(len(leaves)))
 
         def tap(t: object) -> object:
@@ -309,6 +316,10 @@ class ForwardCheck:
             compat.queue_engine_callback(functools.partial(self._compare_gradients, seen))
 
     def _compare_gradients(self, seen: _Seen) -> None:
+        if not seen.grads:  # autograd.grad (no .grad written): wait for the backward that writes
+            seen.queued = False
+            seen.out_grads.clear()
+            return
         for h in seen.hooks:
             h.remove()
         self.settle()  # the step's all-reduces complete on every rank before this one raises

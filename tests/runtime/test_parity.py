@@ -269,3 +269,13 @@ def test_retain_graph_after_a_warm_cache_is_a_clear_error_or_right(tmp_path, don
         assert res["error"] is None, res["error"]
         for a, b in zip(res["ours"], res["ref"]):
             np.testing.assert_allclose(a, b, *TOL["inductor"])
+
+
+@pytest.mark.slow
+def test_retain_graph_gradients_train_on_a_warm_cache_as_on_a_cold_one(tmp_path) -> None:  # noqa: ANN001
+    """The adaptive-weight step trains with an empty compile cache; launched again on that cache
+    it must train the same (it raised ConfigError: a piece loaded from the cache was taken as
+    compiled with donated buffers, though it was cached from a backward that retained its graph)."""
+    results = run_ranks(workers.adaptive_weight_warm, 2, str(tmp_path), timeout=900)
+    _check(results, TOL["inductor"])
+    assert results[0]["cache_hits"][1] > 0, results[0]["cache_hits"]
