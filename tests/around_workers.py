@@ -264,3 +264,20 @@ def dcp_round_trip(rank: int, world: int, ckpt_dir: str) -> dict:
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
     losses = [r + m for r, m in zip(_train((ref,), [ref_opt], rank, range(6)), moved)]
     return {"keys": keys, "losses": losses, "params": _params(model), "ref_params": _params(ref)}
+
+
+def hooks_after_steps(rank: int, world: int, backend: str) -> dict:
+    """A forward-pre hook and a full backward hook on a submodule, and a gradient hook on a
+    parameter, added after two steps, on distcompile and on eager DDP alike."""
+    torch.manual_seed(0)
+    base = mlp_seq()
+    ref, ours = DDP(copy.deepcopy(base)), distcompile.wrap(DDP(copy.deepcopy(base)), backend=backend)
+    opts = _sgd(ref, ours)
+    losses = _train((ref, ours), opts, rank, range(2))
+    for model in (ref, ours):
+        net = distcompile.unwrap(model)
+        net[2].register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))
+        net[4].register_full_backward_hook(lambda m, gin, gout: tuple(g * 3 if g is not None else g for g in gin))
+        net[-1].weight.register_hook(lambda g: g * 2)
+    losses += _train((ref, ours), opts, rank, range(2, 5))
+    return {"losses": losses, "params": _params(ours), "ref_params": _params(ref), "graphs": len(ours.graphs)}

@@ -69,7 +69,7 @@ def _regions_inlined_at_top_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModu
     checkpoint body were left for AOTAutograd, where torch 2.13 mishandles them."""
     from distcompile.capture import regions
 
-    regions._inline_here(gm, {})
+    regions._inline_here(gm, {}, {})
     return gm
 
 

@@ -108,23 +108,29 @@ class _State:
                     entries[name] = value.clone()
         try:
             yield
-        finally:
-            self.restore()
+        finally:  # the buffers the module had; its attributes are the run's until restore()
+            self._entries_back()
+
+    def _entries_back(self) -> None:
+        """Each module's buffer entries as they were: the same objects, none registered since."""
+        for m, saved in self.buffers:
+            entries = compat.module_dicts(m)[1]
+            for name in [n for n in entries if n not in saved]:  # registered by the run
+                compat.drop_buffer(m, name)
+            for name, (b, _) in saved.items():
+                entries[name] = b  # the object it was, if the run assigned another
 
     def restore(self) -> None:
+        self._entries_back()
         with torch.no_grad():
-            for m, saved in self.buffers:
-                entries = compat.module_dicts(m)[1]
-                for name in [n for n in entries if n not in saved]:  # registered by the run
-                    compat.drop_buffer(m, name)
-                for name, (b, value) in saved.items():
-                    entries[name] = b  # the object it was, if the run assigned another
+            for _, saved in self.buffers:
+                for b, value in saved.values():
                     if b is not None:
                         _put_back(b, value)
-        for m, saved in self.attrs:
-            for k in [k for k in vars(m) if k[:1] != "_" and k not in saved]:
+        for m, attrs in self.attrs:
+            for k in [k for k in vars(m) if k[:1] != "_" and k not in attrs]:
                 delattr(m, k)  # set by the run: not there before
-            for k, v in saved.items():
+            for k, v in attrs.items():
                 setattr(m, k, copy.copy(v) if isinstance(v, _SHALLOW) else v)
         set_rng_state(self.rng)
 
@@ -175,8 +181,10 @@ class _Seen:
         self.queued = False
 
     def accumulated(self, name: str, param: torch.Tensor) -> None:
-        before = self.before.get(name)
         grad = param.grad.detach()
+        if grad.is_sparse:  # sparse gradients (an embedding's) are reduced apart: not compared
+            return
+        before = self.before.get(name)
         self.grads[name] = grad - before if before is not None else grad.clone()
 
 
@@ -189,10 +197,11 @@ def _gradient_differences(
 ) -> list[str]:
     """Parameters whose compiled gradient is not eager's within ``tol`` of its scale (the
     largest eager gradient, at least 1% of the median of those over the model)."""
-    maxima = [float(g.abs().max()) for g in want if g is not None and g.numel()]
+    pairs = [(n, w) for n, w in zip(names, want) if w is None or not w.is_sparse]  # sparse: reduced apart
+    maxima = [float(w.abs().max()) for _, w in pairs if w is not None and w.numel()]
     floor = 0.01 * statistics.median([m for m in maxima if m > 0] or [0.0]) or 1e-12
     found = []
-    for n, w in zip(names, want):
+    for n, w in pairs:
         g = got.get(n)
         if w is None or g is None:
             if (w is None) != (g is None) and (w if w is not None else g).abs().max() > 0:
@@ -257,6 +266,7 @@ class ForwardCheck:
             # A forward that raises eagerly raises here, its effects kept as one call's: the
             # check stays pending (a user's error on a first batch is the user's to see).
             reference = eager()
+        state.restore()
         want = _leaves(reference)
         try:
             with self.as_captured():

@@ -130,6 +130,7 @@ class ModelBuild:
             on_guard_failure=self._backend.guard_failed,
         )
         object.__setattr__(self, "_compiled", compiled)  # not a registered submodule
+        self._watch.take()  # the model as built
 
     def _release(self) -> None:
         """Undo ``_build``: gradient hooks off, blocks' classes back, TorchDynamo's entries dropped."""
@@ -167,9 +168,10 @@ class ModelBuild:
                 group=self._settings.group,
             )
         log.info(
-            "the model changed since wrap (%s): the ranks agree, take the first rank's values of the new "
-            "tensors, and compile and bucket the model again",
+            "the model changed since wrap (%s): the ranks agree%s, and the model is compiled and "
+            "bucketed again",
             change.describe(),
+            ", take the first rank's values of the new tensors" if change.new_tensors else "",
         )
         previous = self._reducer
         self._release()

@@ -13,7 +13,11 @@ Background
 Algorithm
     * At ``wrap`` (and after each adoption), ``ModelWatch`` notes, by identity, every
       ``_parameters``, ``_buffers`` and ``_modules`` entry of the module tree, the number
-      of entries of each of those dicts, and each parameter's ``requires_grad``.
+      of entries of each of those dicts, each parameter's ``requires_grad``, and how many
+      forward, forward-pre and backward hooks each module holds (TorchDynamo does not guard
+      on them: a hook added after a graph was compiled would be ignored; the model is
+      compiled again with it). A parameter's own hooks run in the autograd engine, outside
+      the graphs, and are honoured as they are.
     * ``changed()`` compares them, at each training forward that opens a step: three
       C-level passes over lists (no Python loop per parameter). A module assigned in place
       of another, a parameter registered, replaced (``assign=True``, ``to_empty``, ``_apply``
@@ -58,15 +62,18 @@ class ModelChange:
         added: Parameters that are trainable now and were not (new, or unfrozen).
         removed: Trainable parameters that are gone or frozen now.
         buffers: Buffers added, removed or replaced.
+        hooks: Modules (or parameters, by the module that holds them) whose hooks came or went:
+            TorchDynamo does not see them in graphs compiled before.
     """
 
     replaced: tuple[str, ...] = ()
     added: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
     buffers: tuple[str, ...] = ()
+    hooks: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.replaced or self.added or self.removed or self.buffers)
+        return bool(self.replaced or self.added or self.removed or self.buffers or self.hooks)
 
     def describe(self, limit: int = 6) -> str:
         """One line per kind of change, naming up to ``limit`` tensors each.
@@ -85,6 +92,7 @@ class ModelChange:
             ("newly trainable", self.added),
             ("no longer trainable", self.removed),
             ("buffers changed", self.buffers),
+            ("hooks added or removed on", self.hooks),
         )
         return "; ".join(f"{kind}: {names(xs)}" for kind, xs in kinds if xs)
 
@@ -124,6 +132,11 @@ class ModelWatch:
         self._ids = list(map(id, self._held))
         self._params = list(self.module.parameters())
         self._grads = list(map(_requires_grad, self._params))
+        self._paths = [n for n, _ in self.module.named_modules()]
+        per_module = [compat.hook_dicts(m) for m in mods]
+        self._hook_dicts = [d for ds in per_module for d in ds]
+        self._hook_owner = [self._paths[i] for i, ds in enumerate(per_module) for _ in ds]
+        self._hooks = self._hook_counts()
         self.trainable = self.trainable_now()
         self.buffers = self.buffers_now()
 
@@ -133,13 +146,21 @@ class ModelWatch:
             list(map(len, self._dicts)) != self._lens
             or list(map(id, map(dict.get, self._slot_dicts, self._slot_keys))) != self._ids
             or list(map(_requires_grad, self._params)) != self._grads
+            or self._hook_counts() != self._hooks
         )
 
+    def _hook_counts(self) -> list[int]:
+        return list(map(len, self._hook_dicts))
+
     def compare(self) -> ModelChange:
-        """What changed in the trainable parameters and buffers since :meth:`take`."""
+        """What changed in the trainable parameters, the buffers and the modules' hooks since :meth:`take`."""
         now, before = self.trainable_now(), self.trainable
         bufs, old_bufs = self.buffers_now(), self.buffers
+        owners, hooks = self._hook_owner, self._hook_counts()
         return ModelChange(
+            hooks=tuple(
+                dict.fromkeys(o or "(the model)" for o, a, b in zip(owners, hooks, self._hooks) if a != b)
+            ),
             replaced=tuple(n for n, p in now.items() if n in before and before[n] is not p),
             added=tuple(n for n in now if n not in before),
             removed=tuple(n for n in before if n not in now),
