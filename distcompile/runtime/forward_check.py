@@ -14,7 +14,8 @@ Algorithm
     from the same random number state, buffers and plain Python attributes (put back
     after each run, so that a BatchNorm's statistics or a step counter move once):
 
-    1. eagerly, the module itself: the reference;
+    1. eagerly, the module itself, on copies of its buffers: the reference, whose autograd
+       graph is kept for the gradients;
     2. as captured: TorchDynamo's code with each graph run as its FX graph, uncompiled
        (eager kernels, eager random numbers, in the graph's order), so it must match the
        reference to rounding whatever the forward draws at random. A difference means the
@@ -32,11 +33,27 @@ Algorithm
     naming the graphs of the call, the regions in use and the fixes; its peers, waiting in
     the step's all-reduce, name it in their error (``_agreement.mark_failed``).
 
+    Gradients: each output of the compiled forward gets a tap that records the gradient
+    reaching it, and each trainable parameter a post-accumulate hook that records what the
+    compiled backward added to its ``.grad``. When the ``backward()`` that writes ``.grad``
+    ends (an ``autograd.grad`` call before it is let pass), the reducer finishes the step
+    (every rank completes its all-reduces), then eager's gradients for the same output
+    gradients (``torch.autograd.grad`` on the reference) are compared with them, within the
+    output tolerance of each parameter's largest eager gradient (at least 1% of the median
+    of those). Not compared: Inductor with random numbers, parameters whose gradient travels
+    in parts (Note [Shared weights reduced by use]), sparse gradients.
+
+    Put back between runs: each module's buffer entries by identity and value (a buffer the
+    forward resized, assigned anew or registered included), plain attributes and the random
+    number state. A state that cannot be copied makes the check step aside (one log line).
+
 Cost
-    Two more forwards, without backward, in the checked steps only (the first step, and
-    the first after each recompile); other steps pay one ``if``. The eager forwards'
-    activations are freed at once. What cannot be put back: side effects outside the
-    module (a global counter, a print) happen three times in a checked step.
+    Two more forwards and one eager backward in the checked steps only (the first step,
+    and the first after each recompile), and the eager forward's activations held until
+    the compiled backward ends; other steps pay one ``if``. Measured: 3.3% of a cold first
+    step on the benchmark GPT (``benchmarks/results/2026-11-27-forward-check-cost.md``).
+    What cannot be put back: side effects outside the module (a global counter, a print)
+    happen three times in a checked step.
 """
 
 from __future__ import annotations

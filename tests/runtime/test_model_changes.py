@@ -18,7 +18,7 @@ from tests.harness import run_ranks
 from tests.runtime.test_ddp_parity import _check
 
 
-def test_the_watch_sees_replaced_added_unfrozen_and_materialized_tensors() -> None:
+def test_the_watch_sees_replaced_added_unfrozen_materialized_tensors_and_hooks() -> None:
     net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 1))
     net[0].weight.requires_grad_(False)
     watch = ModelWatch(net)
@@ -37,6 +37,9 @@ def test_the_watch_sees_replaced_added_unfrozen_and_materialized_tensors() -> No
     watch.take()
     net.load_state_dict(net.state_dict(), assign=True)  # new tensors under the same names
     assert watch.changed() and len(watch.compare().replaced) == 6
+    watch.take()
+    net[1].register_forward_pre_hook(lambda m, args: None)  # TorchDynamo would not see it
+    assert watch.changed() and watch.compare().hooks == ("1",)
     with torch.device("meta"):
         meta = nn.Linear(2, 2)
     watch = ModelWatch(meta)
