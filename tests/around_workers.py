@@ -277,7 +277,9 @@ def hooks_after_steps(rank: int, world: int, backend: str) -> dict:
     for model in (ref, ours):
         net = distcompile.unwrap(model)
         net[2].register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))
-        net[4].register_full_backward_hook(lambda m, gin, gout: tuple(g * 3 if g is not None else g for g in gin))
+        net[4].register_full_backward_hook(
+            lambda m, gin, gout: tuple(g * 3 if g is not None else g for g in gin)
+        )
         net[-1].weight.register_hook(lambda g: g * 2)
     losses += _train((ref, ours), opts, rank, range(2, 5))
     return {"losses": losses, "params": _params(ours), "ref_params": _params(ref), "graphs": len(ours.graphs)}
