@@ -201,10 +201,10 @@ def _rss_mb() -> float:
 
 
 def _wrap_train_close() -> weakref.ref:
-    net = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])  # 33.6 MB of parameters
+    net = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])  # 16.8 MB of parameters
     model = distcompile.wrap(DDP(net), backend="aot_eager")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for _ in range(3):
+    for _ in range(2):
         model(torch.randn(4, 1024)).sum().backward()
         opt.step()
         opt.zero_grad()
@@ -213,7 +213,7 @@ def _wrap_train_close() -> weakref.ref:
 
 
 def wrap_close_cycles(rank: int, world: int, cycles: int) -> dict:
-    """Wrap, train 3 steps, close and drop the model, ``cycles`` times in one process (no
+    """Wrap, train 2 steps, close and drop the model, ``cycles`` times in one process (no
     ``torch._dynamo.reset()``)."""
     from distcompile.runtime.module import DistCompiledModule
     from distcompile.runtime.reducer import BucketReducer

@@ -279,9 +279,14 @@ def _inner_cuts(
     nodes: Sequence[NodeInfo], firsts_bytes: Sequence[int], block: tuple[int, int], bucket_cap: int
 ) -> list[int]:
     # Cuts inside a block, by the cap rule on the block alone; only a block holding more
-    # than a bucket gets any. Offsets are relative to the block's start.
+    # than a bucket gets any, and every part holds at least a bucket: the rule's first part
+    # (the block's head, in forward order) joins the next when smaller. A block just over
+    # the cap (GPT-2 small's 27 MiB blocks over DDP's 25 MiB) stays whole, one piece and one
+    # bucket, instead of a piece holding its first LayerNorm alone: a piece more per block,
+    # a launch more per piece, and a fusion lost. Offsets are relative to the block's start.
     start, stop = block
-    if sum(firsts_bytes[start:stop]) <= bucket_cap:
+    sizes = firsts_bytes[start:stop]
+    if sum(sizes) <= bucket_cap:
         return []
     local = [
         NodeInfo(x.name, x.params, x.last_user - start if x.last_user < stop else stop - start)
@@ -289,7 +294,10 @@ def _inner_cuts(
         else x
         for x in nodes[start:stop]
     ]
-    return _starts_by_cap(local, firsts_bytes[start:stop], bucket_cap, bucket_cap)[1:]
+    cuts = _starts_by_cap(local, sizes, bucket_cap, bucket_cap)[1:]
+    if cuts and sum(sizes[: cuts[0]]) < bucket_cap:
+        cuts = cuts[1:]
+    return cuts
 
 
 def _starts_by_cap(

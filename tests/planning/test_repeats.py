@@ -83,3 +83,17 @@ def test_piece_without_outputs_joins_a_neighbour() -> None:
     bounds = piece_bounds(4, [0], [[(1, 2), (2, 3)]], [[], []], last_user)
     for a, b in bounds:
         assert b == 4 or any(last_user[i] >= b for i in range(a, b)), bounds
+
+
+def test_a_block_just_over_the_cap_stays_one_piece() -> None:
+    # GPT-2 small's blocks hold 27.04 MiB against DDP's 25 MiB: the cap rule alone cut each
+    # block after its first node (its LayerNorm), two pieces a block for the same buckets.
+    nodes, sizes, ranges = _model(6, weight=4 * KB)
+    for b in range(6):
+        sizes[f"b{b}.w0"] = 64  # the norm's few parameters
+    block = sum(sizes[f"b0.w{j}"] for j in range(BLOCK))
+    plan = plan_graph(
+        nodes, sizes, bucket_cap=int(block / 1.0816), first_bucket_cap=int(block / 1.0816), blocks=[ranges]
+    )
+    assert _relative(plan, ranges) == {((0, BLOCK),)}, plan.pieces
+    assert len(plan.pieces) <= len(plan.buckets) + 1, (plan.pieces, plan.buckets)

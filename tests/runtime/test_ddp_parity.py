@@ -186,9 +186,9 @@ def test_a_routed_mixture_of_experts_whose_graphs_differ_by_data(
         # The backward of out[m] = v needs grad[m]: a data-dependent size met tracing the piece,
         # handed back to TorchDynamo, which breaks the graph there as under torch.compile.
         ("mask_moe_unrolled", "aot_eager", "plain", 2),
-        ("mask_moe_unrolled", "aot_eager", "dynamic_shapes", 3),
-        pytest.param("mask_moe_unrolled", "inductor", "plain", 3, marks=pytest.mark.slow),
-        pytest.param("mask_moe_unrolled", "inductor", "dynamic_shapes", 2, marks=pytest.mark.slow),
+        pytest.param("mask_moe_unrolled", "aot_eager", "dynamic_shapes", 3, marks=pytest.mark.long),
+        pytest.param("mask_moe_unrolled", "inductor", "plain", 3, marks=pytest.mark.long),
+        pytest.param("mask_moe_unrolled", "inductor", "dynamic_shapes", 2, marks=pytest.mark.long),
     ],
 )
 def test_experts_chosen_by_boolean_masks_train_as_eager_ddp(

@@ -12,5 +12,6 @@ It uses the library as a user does.
 - ``report.py``: the table and the dated markdown report.
 - ``scaling.py``: the compile-scaling mode (first step against depth).
 - ``sharing.py``: the compile-sharing mode (separate cache folders).
+- ``host.py``: the host-overhead mode (host time per step on a CPU proxy of the GPU benchmark).
 - ``__main__.py``: ``python -m distcompile.tools.bench``.
 """

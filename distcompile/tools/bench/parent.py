@@ -290,6 +290,7 @@ def _add_modes(p: argparse.ArgumentParser) -> None:
         "folder emptied against both warm",
     )
     p.add_argument("--control-plane", action="store_true", help="instead: the store protocols at --ranks")
+    p.add_argument("--host-overhead", action="store_true", help="instead: host time per step (its own -h)")
     p.add_argument(
         "--chaos",
         action="store_true",
@@ -332,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     Example:
         >>> # python benchmarks/overlap.py --link 1gbit      # or: distcompile bench --link 1gbit
     """
+    if "--host-overhead" in (sys.argv[1:] if argv is None else argv):
+        from .host import main as host_main  # its own options
+
+        return host_main(argv)
     p = _parser()
     args = p.parse_args(argv)
     if args.control_plane:
