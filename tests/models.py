@@ -358,8 +358,8 @@ class Repeats(nn.Module):
 
     ``layers`` is A, B, A, A: A's compiled pieces are last used after B's, so their lazily
     compiled backwards must find their own metadata (Note [Repeated blocks]). Each A holds
-    more than the tests' 0.05 MiB bucket cap, so it is also cut inside, the same way in
-    each. ``tail`` blocks have another width and checkpoint their body.
+    1.3x the tests' 0.05 MiB bucket cap: a bucket and a piece of its own, not cut inside.
+    ``tail`` blocks have another width and checkpoint their body.
     """
 
     def __init__(self) -> None:

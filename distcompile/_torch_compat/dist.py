@@ -19,6 +19,8 @@ __all__ = [
     "ddp_delayed_params",
     "ddp_ignored_names",
     "ddp_uses_python_reducer",
+    "ddp_optimizer_first_bucket",
+    "copy_all",
     "checkpoint_as_ddp",
     "default_store",
     "restarts_share_agent_store",
@@ -368,3 +370,45 @@ def checkpoint_as_ddp(cls: type) -> None:
     kinds = current if isinstance(current, tuple) else (current,)
     if cls not in kinds:
         dcp_state_dict.DDP = (*kinds, cls)
+
+
+def ddp_optimizer_first_bucket(nbytes: int) -> Any:
+    """A context in which DDPOptimizer (``torch.compile(DDP)``) plans its first bucket at ``nbytes``.
+
+    It takes its first bucket's size from c10d's default (1 MiB) and refuses a DDP whose cap
+    is smaller ("First bucket should be smaller/equal to other buckets"); a benchmark at a
+    small scale (the host-overhead proxy: caps of kilobytes) sets it to the cap, as DDP's own
+    rule gives an explicit cap. Checked: 2.13 (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``,
+    read when TorchDynamo builds the DDPOptimizer).
+
+    Example:
+        >>> with ddp_optimizer_first_bucket(4096):
+        ...     pass
+    """
+    import contextlib
+
+    import torch.distributed as dist
+
+    @contextlib.contextmanager
+    def patched() -> Any:
+        before = dist._DEFAULT_FIRST_BUCKET_BYTES
+        dist._DEFAULT_FIRST_BUCKET_BYTES = nbytes
+        try:
+            yield
+        finally:
+            dist._DEFAULT_FIRST_BUCKET_BYTES = before
+
+    return patched()
+
+
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for each pair, as one ``foreach`` call (one dispatch for a whole bucket).
+
+    Checked: 2.11, 2.13, 2.15 (``torch._foreach_copy_``).
+
+    Example:
+        >>> a, b = [torch.zeros(2)], [torch.ones(2)]
+        >>> copy_all(a, b); a[0].tolist()
+        [1.0, 1.0]
+    """
+    torch._foreach_copy_(dst, src)

@@ -11,9 +11,10 @@ Algorithm
     Segment boundaries may then fall only where they keep those ranges identical:
     anywhere outside a block, at a block's start, or at the same relative positions in
     every block of a group (cuts inside a block exist only when one block holds more
-    than ``bucket_cap`` of parameters; they are chosen on the group's first block by the
-    same cap rule and repeated in the others). A bucket therefore holds whole blocks and
-    may exceed its cap by less than one block.
+    than ``bucket_cap`` of parameters, every part at least a bucket: a block just over the
+    cap, as GPT-2 small's are over DDP's, stays whole; they are chosen on the group's first
+    block by the same cap rule and repeated in the others). A bucket therefore holds whole
+    blocks and may exceed its cap by less than one block.
 
     The compile unit is the *piece*, a refinement of the segments: every block of a group
     is its own piece (cut at its start, its end and its inner cuts), so the identical

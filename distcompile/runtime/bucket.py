@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _events
+from .. import _torch_compat as compat
 from .._errors import CommunicationError, NonFiniteGradientError, UnsupportedModelError
 from .graph_memory import is_owned, own
 from .hooks import CommHook
@@ -93,6 +94,7 @@ class FlatBucket:
         self.n_ready = 0
         self.produced: tuple[bool, ...] = ()
         self._flag_cache: dict[tuple[tuple[bool, ...], float], torch.Tensor] = {}
+        self._checked: tuple[bool, ...] = ()  # the last pattern checked for sparse gradients
         self.work: dist.Work | None = None
         self.future: torch.futures.Future | None = None
         self.launched_at = 0.0
@@ -131,7 +133,8 @@ class FlatBucket:
             if not any(in_bucket):
                 # One copy (and cast) of all gradients into the bucket, then one scale.
                 torch.cat([g.reshape(-1) for g in grads], out=dense)
-                dense.mul_(scale)
+                if scale != 1.0:  # a world of one, or a hook's local gradients
+                    dense.mul_(scale)
                 return
         for i, g in enumerate(grads):  # mixed: per parameter
             dst = self.wire_views[i]
@@ -157,13 +160,8 @@ class FlatBucket:
         averages), the hook called; the flags are reduced apart (``write(used=...)``).
         """
         produced = tuple(r and p.grad is not None for r, p in zip(self.ready, self.params))
-        for name, p, r in zip(self.names, self.params, produced):
-            if r and p.grad.is_sparse:
-                raise UnsupportedModelError(
-                    f"parameter {name!r} has a sparse gradient in a dense bucket; distcompile reduces "
-                    "the weights of nn.Embedding(sparse=True) / nn.EmbeddingBag(sparse=True) apart, as "
-                    "DDP does, and no other parameter may have a sparse gradient."
-                )
+        if produced != self._checked:  # once per pattern of produced gradients
+            self._refuse_sparse(produced)
         self.produced = produced
         self.launched_at = time.perf_counter()
         if hook is not None:
@@ -174,6 +172,16 @@ class FlatBucket:
         self.wire[self.numel :].copy_(self._flags(produced, scale))
         self.work = dist.all_reduce(self.wire, group=group, async_op=True)
         return self.work.get_future()
+
+    def _refuse_sparse(self, produced: tuple[bool, ...]) -> None:
+        for name, p, r in zip(self.names, self.params, produced):
+            if r and p.grad.is_sparse:
+                raise UnsupportedModelError(
+                    f"parameter {name!r} has a sparse gradient in a dense bucket; distcompile reduces "
+                    "the weights of nn.Embedding(sparse=True) / nn.EmbeddingBag(sparse=True) apart, as "
+                    "DDP does, and no other parameter may have a sparse gradient."
+                )
+        self._checked = produced
 
     def local_flags(self) -> torch.Tensor:
         """1 for each parameter this rank produced a gradient for (reduced apart under a hook)."""
@@ -217,6 +225,8 @@ class FlatBucket:
         """Write each parameter's ``.grad`` from the reduced bucket; ``used[i] > 0``: some rank
         produced a gradient for parameter ``i``."""
         views = self.wire_views
+        if self._write_all_at_once(views):
+            return
         used_host: list[float] | None = None
         for i, p in enumerate(self.params):
             src = views[i]
@@ -241,6 +251,17 @@ class FlatBucket:
                 p.grad = own(src.to(p.dtype, copy=True))
             else:
                 p.grad.copy_(src)
+
+    def _write_all_at_once(self, views: list[torch.Tensor]) -> bool:
+        """The common step (every gradient produced here, each ``.grad`` a tensor of its own of
+        the wire's dtype): one ``foreach`` copy for the bucket instead of one copy a parameter."""
+        if self.grad_as_view or self.fresh_grads or not all(self.produced):
+            return False
+        grads = [p.grad for p in self.params]
+        if any(g is None or g.dtype != v.dtype for g, v in zip(grads, views)):
+            return False
+        compat.copy_all(grads, views)
+        return True
 
 
 class OneParamBucket:
@@ -267,6 +288,16 @@ class OneParamBucket:
         self.ready = [False]
         self.n_ready = 0
         self.work = None
+
+    def _refuse_sparse(self, produced: tuple[bool, ...]) -> None:
+        for name, p, r in zip(self.names, self.params, produced):
+            if r and p.grad.is_sparse:
+                raise UnsupportedModelError(
+                    f"parameter {name!r} has a sparse gradient in a dense bucket; distcompile reduces "
+                    "the weights of nn.Embedding(sparse=True) / nn.EmbeddingBag(sparse=True) apart, as "
+                    "DDP does, and no other parameter may have a sparse gradient."
+                )
+        self._checked = produced
 
     def local_flags(self) -> torch.Tensor:
         """1 if this rank produced a gradient."""
