@@ -740,3 +740,59 @@ def adaptive_weight_warm(rank: int, world: int, folder: str) -> dict:
     results["ref_params"] = [p.detach().clone() for p in ref.module.parameters()]
     results["buffers"] = results["ref_buffers"] = []
     return results
+
+
+#: Operations that make the host wait for a CUDA stream (their result is read on the host).
+HOST_READS = (
+    "aten::_local_scalar_dense",
+    "aten::item",
+    "aten::is_nonzero",
+    "aten::equal",
+    "aten::nonzero",
+    "aten::unique",
+    "aten::_unique2",
+    "aten::masked_select",
+)
+
+
+def host_reads(rank: int, world: int, backend: str) -> dict:
+    """Warm steps of a tied GPT under the defaults, with small buckets (parts of the tied weight,
+    the table reduced by rows), profiled: the operations that would stop a GPU's host."""
+    from distcompile.models import GPT, GPTConfig
+
+    torch.manual_seed(0)  # a 1 MiB tied table: reduced by rows (over ROWS_MIN_BYTES)
+    net = GPT(GPTConfig(vocab_size=8192, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    model = distcompile.wrap(DDP(net, bucket_cap_mb=0.05), backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def step(s: int) -> None:
+        x, y = batch("gpt", rank, s)
+        loss_fn("gpt", model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for s in range(3):
+        step(s)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for s in range(3, 5):
+            step(s)
+    kinds = [type(b).__name__ for b in model._reducer.layout.schedules[(-1,)][0]]
+    found = [e.name for e in prof.events() if e.name in HOST_READS]
+    return {"found": found, "buckets": kinds, "ops": len(prof.events())}
+
+
+def rows_outgrown(rank: int, world: int) -> str:
+    """A larger batch after the first step: the row bucket's all-reduce was sized at the first."""
+    from distcompile.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    net = GPT(GPTConfig(vocab_size=8192, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    model = distcompile.wrap(DDP(net, bucket_cap_mb=0.05), backend="aot_eager", dynamic=False)
+    for rows in (4, 2, 8):  # smaller is fine; larger is refused
+        x = torch.randint(0, 8192, (rows, 16))
+        try:
+            loss_fn("gpt", model(x), torch.roll(x, -1, dims=1)).backward()
+        except distcompile.ConfigError as exc:
+            return f"{rows}: {exc}"
+        model.zero_grad(set_to_none=True)
+    return "no error"

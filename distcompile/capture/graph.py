@@ -237,9 +237,8 @@ def lookup_indices(captured: CapturedGraph) -> dict[str, int]:
         value = indices[0].meta.get("example_value") if indices else None
         if not isinstance(value, torch.Tensor):
             continue
-        try:
-            count = int(value.numel())
-        except Exception:  # noqa: BLE001 - a symbolic size: unknown, priced as the whole table
+        count = value.numel()
+        if not isinstance(count, int):  # a symbolic size: unknown (int() would specialize it)
             continue
         found[info.lookups[0]] = found.get(info.lookups[0], 0) + count
     return found

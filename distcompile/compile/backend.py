@@ -21,7 +21,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -34,7 +34,7 @@ from .._config import Config
 from .._errors import CompileError, DistCompileError
 from .._store import describe_counts
 from ..capture.breaks import graph_break_reason, is_data_dependent
-from ..capture.graph import CapturedGraph, read_graph, refuse_untracked
+from ..capture.graph import CapturedGraph, lookup_indices, read_graph, refuse_untracked
 from ..capture.guards import condense_guard_failures, recompile_forbidden, recompile_note
 from ..capture.regions import inline_regions
 from ..planning.costs import CostModel
@@ -206,6 +206,8 @@ class GraphCompiler:
             )
             self._doing = "registering the graph's buckets"
             split = split_shared(plan, captured.nodes) if self._splits else SplitPlan()
+            counts = lookup_indices(captured) if split.rows else {}
+            split = replace(split, lookups=tuple((n, counts[n]) for n in split.rows if n in counts))
             self.registry.add_graph(graph_id, [b.params for b in plan.buckets], split, plan)
             compiled = divert_parts(compiled, split, captured.params, self.registry.take_part)
             record = GraphRecord(

@@ -62,10 +62,13 @@ class SplitPlan:
     Attributes:
         parts: Every part, in gradient order.
         rows: Parameters whose own bucket may carry just the rows looked up.
+        lookups: For each of ``rows`` whose count is known (not a symbol), how many indices
+            one call of the graph looks up in it on this rank: at most that many rows.
     """
 
     parts: tuple[Part, ...] = ()
     rows: tuple[str, ...] = ()
+    lookups: tuple[tuple[str, int], ...] = ()
 
     def groups(self, plan: Plan) -> list[tuple[str, ...]]:
         """The plan's buckets in gradient order with one group of part names per segment that

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .._errors import ConfigError
 from ..planning.plan import Plan
 from ..planning.split import SplitPlan
 from .parts import SharedParts
+from .rows import RowBucket
 from .schedule import Bucket, build_schedule, claimed_by, layout_groups, static_groups
 
 __all__ = ["BucketForm", "Layouts"]
@@ -69,10 +71,12 @@ class Layouts:
         self.parts = SharedParts(self.params)  # Note [Shared weights reduced by use]
         self._graph_buckets: dict[int, list[list[str]]] = {}
         self._static: list[list[str]] | None = None  # the frozen layout
-        self._static_rows: set[int] = set()  # its row-reduced parameters
+        self._static_rows: dict[int, int] = {}  # its row-reduced tables -> their lookup bound
         self._freeze = freeze
         # graphs that ran -> (buckets in launch order, id(param) -> (bucket, slot))
         self.schedules: dict[tuple[int, ...], tuple[list[Bucket], dict]] = {}
+        self.params_by_id = {id(p): p for p in self.params.values()}
+        self._accumulated: set[int] = set()  # of those, the ones holding a gradient at the step's start
 
     def add_graph(
         self, graph_id: int, buckets: Sequence[Sequence[str]], split: SplitPlan | None, plan: Plan | None
@@ -95,6 +99,11 @@ class Layouts:
         """Forget the cached schedules (buckets are rebuilt at the next step)."""
         self.schedules.clear()
 
+    def begin_step(self) -> None:
+        """A synchronized step opens: note the row-reduced tables that hold a gradient already
+        (their rows are not bounded by the step's lookups: ``runtime/rows.py``)."""
+        self._accumulated = {k for k in self.parts.row_ids() if self.params_by_id[k].grad is not None}
+
     def schedule(self, graphs: tuple[int, ...], form: BucketForm) -> tuple[list[Bucket], dict]:
         """The buckets of a step that ran ``graphs``, in launch order, and where each parameter is."""
         if self._freeze:
@@ -102,11 +111,14 @@ class Layouts:
             self._static = self._frozen_groups(graphs)
             self.schedules.clear()
         if self._static is not None:
+            if self._static_rows:
+                self._check_rows(graphs)
             graphs = (-1,)  # one schedule: every rank's the same
         cached = self.schedules.get(graphs)
         if cached is not None:
             for b in cached[0]:
                 b.reset()
+            self._mark_accumulated(cached[0])
             return cached
         for buckets, params, rows in self._layouts(graphs, form.splits):
             order = build_schedule(
@@ -124,8 +136,14 @@ class Layouts:
                 break
         locate = {id(p): (b, i) for b in order for i, p in enumerate(b.params)}
         self.schedules[graphs] = (order, locate)
+        self._mark_accumulated(order)
         log.debug("schedule for graphs %s: %s", graphs, [(b.index, len(b.params), b.nbytes) for b in order])
         return order, locate
+
+    def _mark_accumulated(self, order: list[Bucket]) -> None:
+        for b in order:
+            if isinstance(b, RowBucket):
+                b.accumulated = id(b.params[0]) in self._accumulated
 
     def _frozen_groups(self, graphs: tuple[int, ...]) -> list[list[str]]:
         # The ranks compare the layout their graphs give: the same everywhere, it is kept
@@ -134,19 +152,41 @@ class Layouts:
         buckets, params, rows = self.parts.layout(self._graph_buckets, graphs) or (
             self._graph_buckets,
             self.params,
-            set(),
+            {},
         )
-        agreed = self.agree(layout_groups(buckets, graphs, list(params)))
-        self._static_rows = rows if agreed is not None else set()
+        # The row buckets' bounds (indices looked up a step, on each rank) size their all-reduce:
+        # agreed with the layout, so every rank sends the same number of rows.
+        names = {id(p): n for n, p in self.params.items()}
+        bounds = [f"rows {names[k]}: {v}" for k, v in sorted(rows.items(), key=lambda kv: names[kv[0]])]
+        agreed = self.agree(layout_groups(buckets, graphs, list(params)) + ([bounds] if bounds else []))
+        self._static_rows = rows if agreed is not None else {}
         if agreed is not None:
-            return agreed
+            return agreed[:-1] if bounds else agreed
         cap, first_cap = self.bucket_caps
         log.info(
             "the ranks' graphs gave different bucket layouts: gradients travel in DDP's (reverse parameter order)"
         )
         return static_groups(self.params, cap=cap, first_cap=first_cap)
 
-    def _layouts(self, graphs: tuple[int, ...], splits: bool) -> list[tuple[Mapping, Mapping, set[int]]]:
+    def _check_rows(self, graphs: tuple[int, ...]) -> None:
+        """A step whose graphs look up more indices in a table than the frozen layout's bound
+        would send too few rows: refused (a new batch or sequence size after the first step)."""
+        now = self.parts.row_lookups(graphs)
+        for key, bound in self._static_rows.items():
+            if bound and now.get(key, 0) > bound:
+                name = next(n for n, p in self.params.items() if id(p) == key)
+                raise ConfigError(
+                    f"embedding table {name!r} is reduced by the rows looked up, at most {bound} indices a "
+                    f"step on each rank (fixed at the first step, with every rank), but this step's graphs "
+                    f"look up {now[key]}: its all-reduce would leave rows out. Keep the batch and sequence "
+                    "sizes of the first step (smaller is fine), mark the varying dimension dynamic from the "
+                    "start (torch._dynamo.mark_dynamic, or wrap(..., dynamic=True)), or wrap(..., "
+                    "split_shared=False)."
+                )
+
+    def _layouts(
+        self, graphs: tuple[int, ...], splits: bool
+    ) -> list[tuple[Mapping, Mapping, Mapping[int, int]]]:
         """Bucket layouts to try, best first: with parts and row buckets (Note [Shared weights
         reduced by use]; not under a communication hook), then without."""
         if self._static is not None:
@@ -154,7 +194,7 @@ class Layouts:
         else:
             layouts = [
                 self.parts.layout(self._graph_buckets, graphs),
-                (self._graph_buckets, self.params, set()),
+                (self._graph_buckets, self.params, {}),
             ]
         if not splits and any(x is not None for x in layouts[:-1]):
             log.debug("a communication hook reduces the buckets: shared parameters go whole, as under DDP")

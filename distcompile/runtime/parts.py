@@ -42,7 +42,7 @@ class SharedParts:
         self.params = params
         self.holders: dict[str, torch.Tensor] = {}
         self._of: dict[int, list[torch.Tensor]] = {}  # id(param) -> its holders
-        self._graphs: dict[int, tuple[list[tuple[str, ...]], tuple[str, ...], tuple[str, ...]]] = {}
+        self._graphs: dict[int, tuple[list[tuple[str, ...]], tuple[str, ...], tuple[str, ...], dict]] = {}
         self.whole: dict[str, int] = {}  # tables found dense -> steps left reduced whole
 
     def add_graph(self, graph_id: int, split: SplitPlan, plan: Plan) -> None:
@@ -51,7 +51,7 @@ class SharedParts:
             self._graphs.pop(graph_id, None)
             return
         names = tuple(p.name for p in split.parts)
-        self._graphs[graph_id] = (split.groups(plan), names, split.rows)
+        self._graphs[graph_id] = (split.groups(plan), names, split.rows, dict(split.lookups))
         for part in split.parts:
             if part.name not in self.holders:
                 p = self.params[part.param]
@@ -64,9 +64,9 @@ class SharedParts:
 
     def layout(
         self, graph_buckets: Mapping[int, Sequence[Sequence[str]]], graphs: Sequence[int]
-    ) -> tuple[dict, dict[str, torch.Tensor], set[int]] | None:
-        """The groups, parameters (holders included) and row-reduced ``id``s for a step that ran
-        ``graphs``; ``None`` when none of them has parts or row-reduced parameters."""
+    ) -> tuple[dict, dict[str, torch.Tensor], dict[int, int]] | None:
+        """The groups, parameters (holders included) and row-reduced tables (``row_lookups``) for a
+        step that ran ``graphs``; ``None`` when none of them has parts or row-reduced parameters."""
         ran = [g for g in graphs if g in self._graphs]
         if not ran:
             return None
@@ -79,12 +79,33 @@ class SharedParts:
         }
         params = dict(self.params)
         params.update((n, self.holders[n]) for g in ran for n in self._graphs[g][1] if n not in off)
-        rows = {id(self.params[n]) for g in ran for n in self._graphs[g][2] if n not in self.whole}
+        rows = self.row_lookups(ran)
         return groups, params, rows
 
+    def row_ids(self) -> set[int]:
+        """``id`` of every table some graph reduces by rows."""
+        return {id(self.params[n]) for entry in self._graphs.values() for n in entry[2]}
+
+    def row_lookups(self, graphs: Sequence[int]) -> dict[int, int]:
+        """``id`` of each table reduced by rows in a step that ran ``graphs`` -> the indices those
+        graphs look up in it on this rank (an upper bound of its rows touched here), or 0 where
+        a count is not known (a symbolic size): ``RowBucket`` then sends the whole table."""
+        found: dict[int, int] = {}
+        for g in graphs:
+            if g not in self._graphs:
+                continue
+            _, _, rows, lookups = self._graphs[g]
+            for n in rows:
+                if n in self.whole:
+                    continue
+                key, known = id(self.params[n]), lookups.get(n, 0)
+                before = found.get(key)
+                found[key] = 0 if not known or before == 0 else (before or 0) + known
+        return found
+
     def static_layouts(
-        self, static: Sequence[Sequence[str]], rows: set[int]
-    ) -> list[tuple[dict, dict, set[int]]]:
+        self, static: Sequence[Sequence[str]], rows: dict[int, int]
+    ) -> list[tuple[dict, dict, dict[int, int]]]:
         """The frozen layout ``static`` (holders' names included) with its parts and row buckets,
         then without (Note [Graphs that differ by data])."""
         holders = {n: h for n, h in self.holders.items() if any(n in b for b in static)}
@@ -96,9 +117,9 @@ class SharedParts:
             (
                 {-1: [b for b in split if b]},
                 {**self.params, **{n: h for n, h in holders.items() if n not in off}},
-                rows - whole,
+                {k: v for k, v in rows.items() if k not in whole},
             ),
-            ({-1: [b for b in plain if b]}, dict(self.params), set()),
+            ({-1: [b for b in plain if b]}, dict(self.params), {}),
         ]
 
     def _off(self) -> set[str]:

@@ -142,6 +142,7 @@ class BucketReducer:
                 self.layout.clear()  # buckets are rebuilt for the new hook
             self.optimizers.adopt_new()
             self._step = OpenStep(join_work, divide_by_initial)
+            self.layout.begin_step()
             self.writeback.new_step()
             self.parts.clear()
             if self.observer is not None:

@@ -2,18 +2,23 @@
 
 The gradient an ``nn.Embedding`` lookup gives its table is zero outside the rows of the
 tokens seen in the step. ``RowBucket`` first all-reduces which rows each rank touched (one
-small vector: a count per row, plus whether the rank produced a gradient at all), then,
-when the union of those rows costs fewer bytes than the whole table, all-reduces just
-those rows; otherwise the whole table, as a ``FlatBucket`` would. Rows outside the union
-are zero on every rank, so their average is zero: the result is exactly the average
-gradient. The choice follows the union, which every rank sees the same, so the ranks
-always issue the same collective. Any earlier accumulation (``no_sync``) or a use that was
-not split off makes more rows nonzero, and the bucket reduces what is there.
+small vector: a count per row, plus whether the rank produced a gradient at all), then
+all-reduces just those rows. Rows outside the union are zero on every rank, so their
+average is zero: the result is exactly the average gradient. Any earlier accumulation
+(``no_sync``) or a use that was not split off makes more rows nonzero, and the bucket
+reduces what is there.
 
-The first all-reduce is waited for where the bucket launches (on CUDA its row count is
-read on the host): this bucket is meant for the tail of backward, where the host would
-wait anyway. A table whose rows are nearly all touched (a positional embedding) goes
-whole, and skips the question for ``DENSE_FOR`` steps.
+No host read: the rows all-reduce has a size fixed when the buckets are built, the
+*bound*: the indices the step's graphs look up in the table on each rank (known at
+capture, from the lookups' shapes), times the ranks, which no union can exceed. The ranks
+agree on it with the bucket layout (``layout.py``), and the rows are compacted on the
+device to that size (``nonzero_static``; the padding sends zeros). A table whose bound is
+not under ``ROWS_WHEN_BELOW`` of its rows, or not known (a symbolic size, under dynamic
+shapes), or whose ``.grad`` held a gradient when the step began (accumulated under
+``no_sync``: more rows than the step looks up), goes whole, as a ``FlatBucket`` would, and never asks which rows were touched;
+so does a positional table, whose rows are all used. Whether a rank that produced no
+gradient itself gets one (``.grad`` created) is the one decision left to the host; it is
+read only then, as flat buckets do.
 """
 
 from __future__ import annotations
@@ -33,28 +38,42 @@ ROWS_WHEN_BELOW = 0.75
 #: Smaller tables go in the ordinary buckets: asking which rows were touched costs one
 #: blocking collective, more than their bytes.
 ROWS_MIN_BYTES = 256 * 1024
-#: After a step that reduced the whole table, this many more do so without asking which
-#: rows were touched (a positional table, whose rows are all used, pays the question once).
+#: After a step that reduced a table with parts whole, this many more do so without its
+#: parts (they would only send its bytes twice; ``parts.settle``).
 DENSE_FOR = 100
 
 
 class RowBucket(OneParamBucket):
     """One 2-D parameter reduced by the rows any rank touched (``FlatBucket``'s interface).
 
+    ``lookups``: the indices a step looks up in it on each rank (0: not known, whole table).
+
     Example:
-        >>> b = RowBucket(0, "emb.weight", nn.Parameter(torch.zeros(8, 2)), compression=None)
+        >>> b = RowBucket(0, "emb.weight", nn.Parameter(torch.zeros(8, 2)), compression=None, lookups=1)
         >>> b.names, b.nbytes
         (['emb.weight'], 64)
     """
 
-    def __init__(self, index: int, name: str, param: nn.Parameter, *, compression: str | None) -> None:
+    def __init__(
+        self, index: int, name: str, param: nn.Parameter, *, compression: str | None, lookups: int = 0
+    ) -> None:
         super().__init__(index, name, param)
         self.wire_dtype = WIRE_DTYPES[compression] or param.dtype
-        self.rows: torch.Tensor | None = None  # the union's row indices; None: the whole table
-        self.any_produced = False
-        self._dense_for = 0  # launches left that reduce the whole table without asking
-        self.found_dense = False  # this launch asked, and most rows were touched
+        self.lookups = lookups
+        self.rows: torch.Tensor | None = None  # the union's row indices, padded to the bound; None: whole
+        self._keep: torch.Tensor | None = None  # which of ``rows`` are rows (not padding)
+        self._flag: torch.Tensor | None = None  # > 0 when some rank produced a gradient
+        self.found_dense = False  # whole tables (by bound) tell the parts to leave (parts.settle)
+        # .grad held a gradient before the step (accumulated under no_sync, or zeros left by
+        # zero_grad(set_to_none=False)): its rows are not bounded by the step's lookups.
+        self.accumulated = False
         self._sent: torch.Tensor | None = None
+
+    def bound(self, world: int) -> int | None:
+        """Rows the all-reduce carries, or ``None``: the whole table."""
+        n = self.params[0].shape[0]
+        rows = min(n, world * self.lookups)
+        return rows if self.lookups and not self.accumulated and rows <= ROWS_WHEN_BELOW * n else None
 
     @property
     def nbytes(self) -> int:
@@ -71,45 +90,44 @@ class RowBucket(OneParamBucket):
 
     def launch(self, group: dist.ProcessGroup | None, scale: float, **_: object) -> torch.futures.Future:
         """Start the all-reduce of ``scale * grad``: of the rows any rank touched (agreed first,
-        blocking), or of the whole table with this rank's produced flag appended."""
+        blocking on gloo), or of the whole table with this rank's produced flag appended."""
         p = self.params[0]
         grad = p.grad if self.ready[0] else None
         self.produced = (grad is not None,)
         self.launched_at = time.perf_counter()
-        self.found_dense = False
-        self.rows = self._agree_rows(group, grad) if self._dense_for == 0 else None
-        if self.rows is None:  # the whole table, flag last (as a FlatBucket)
-            self._dense_for = max(self._dense_for - 1, 0)
+        bound = self.bound(dist.get_world_size(group))
+        self.found_dense = bound is None
+        if bound is None:  # the whole table, flag last (as a FlatBucket)
+            self.rows = None
             sent = torch.zeros(p.numel() + 1, dtype=self.wire_dtype, device=p.device)
             if grad is not None:
                 sent[:-1] = grad.reshape(-1) * scale
                 sent[-1] = 1.0
-        elif grad is None or not self.rows.numel():
-            sent = torch.zeros(
-                (max(self.rows.numel(), 1), *p.shape[1:]), dtype=self.wire_dtype, device=p.device
-            )
+            self._flag = sent[-1:]
         else:
-            sent = (grad.index_select(0, self.rows) * scale).to(self.wire_dtype)
+            sent = self._rows_of(group, grad, bound, scale)
         self._sent = sent
         self.work = dist.all_reduce(sent, group=group, async_op=True)
         return self.work.get_future()
 
-    def _agree_rows(self, group: dist.ProcessGroup | None, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """The rows some rank touched, or ``None`` when the whole table is as cheap (then the
-        next ``DENSE_FOR`` launches skip this agreement: every rank decides alike)."""
+    def _rows_of(
+        self, group: dist.ProcessGroup | None, grad: torch.Tensor | None, bound: int, scale: float
+    ) -> torch.Tensor:
+        """``scale * grad`` on the rows some rank touched, ``bound`` of them (padding: zeros),
+        compacted on the device."""
         p = self.params[0]
         touched = torch.zeros(p.shape[0] + 1, dtype=torch.float32, device=p.device)
         if grad is not None:
             touched[:-1] = grad.reshape(p.shape[0], -1).ne(0).any(dim=1)
             touched[-1] = 1.0
         dist.all_reduce(touched, group=group)
-        union = touched[:-1] > 0
-        count = int(union.sum())  # read on the host: the same on every rank
-        self.any_produced = bool(touched[-1] > 0)
-        if count > ROWS_WHEN_BELOW * p.shape[0]:
-            self._dense_for, self.found_dense = DENSE_FOR, True
-            return None
-        return union.nonzero().squeeze(1)
+        self._flag = touched[-1:]
+        found = torch.nonzero_static(touched[:-1] > 0, size=bound, fill_value=p.shape[0]).squeeze(1)
+        self._keep = (found < p.shape[0]).unsqueeze(1)
+        self.rows = found.clamp(max=p.shape[0] - 1)
+        if grad is None:
+            return torch.zeros((bound, *p.shape[1:]), dtype=self.wire_dtype, device=p.device)
+        return (grad.index_select(0, self.rows) * self._keep * scale).to(self.wire_dtype)
 
     def done(self) -> bool:
         return self.work is not None and self.work.is_completed()
@@ -119,19 +137,24 @@ class RowBucket(OneParamBucket):
 
     def write(self, used: torch.Tensor | None = None) -> None:
         """``.grad`` is the average (zero outside the rows); left as it was if no rank produced one."""
-        p, sent = self.params[0], self._sent
-        if sent is not None and self.rows is None:
-            self.any_produced = bool(sent[-1] > 0)
-        if sent is None or not self.any_produced:
+        p, sent, flag = self.params[0], self._sent, self._flag
+        if sent is None or flag is None:
             return
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+        before = None  # this rank's own .grad, kept if no rank produced a gradient
+        if not self.produced[0]:
+            if p.grad is None:
+                if not bool(flag[0] > 0):  # creating .grad is a host decision: read, only here
+                    return
+                p.grad = torch.zeros_like(p)
+            else:
+                before = p.grad.clone()
         if self.rows is None:
             p.grad.copy_(sent[:-1].view_as(p))
-        else:
+        else:  # padding rows carry zeros (to the last row): adding them changes nothing
             p.grad.zero_()
-            if self.rows.numel():
-                p.grad.index_copy_(0, self.rows, sent.to(p.grad.dtype))
+            p.grad.index_add_(0, self.rows, sent.to(p.grad.dtype))
+        if before is not None:
+            torch.where(flag[0] > 0, p.grad, before, out=p.grad)
 
     def nonfinite(self) -> list[str]:
         sent = self._sent

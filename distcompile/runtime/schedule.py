@@ -112,11 +112,12 @@ def build_schedule(
     compress_tail_only: bool,
     grad_as_view: bool,
     fresh_grads: bool = False,
-    rows: set[int] = frozenset(),  # type: ignore[assignment]
+    rows: Mapping[int, int] | None = None,
 ) -> list[Bucket]:
     """The step's buckets in launch order: one flat bucket per group and dtype, one sparse
     bucket per parameter with a sparse gradient (``sparse``: their ``id``), one row bucket
-    per embedding table reduced by rows (``rows``: their ``id``; ``runtime/rows.py``).
+    per embedding table reduced by rows (``rows``: their ``id`` -> the indices a step looks up
+    in it on each rank, 0 if not known; ``runtime/rows.py``).
     ``fresh_grads``: flat buckets write new ``.grad`` tensors over any they did not make
     (Note [Gradients in CUDA-graph memory]).
 
@@ -127,6 +128,7 @@ def build_schedule(
         >>> [b.names for b in order]
         [['weight', 'bias']]
     """
+    rows = rows or {}
     groups, tail_from = _groups(graph_buckets, graphs, list(params))
     order: list[Bucket] = []
     for g, names in enumerate(groups):
@@ -138,7 +140,7 @@ def build_schedule(
             if id(p) in sparse:
                 order.append(SparseBucket(len(order), n, p))
             elif id(p) in rows and p.dim() == 2 and p.numel() * p.element_size() >= ROWS_MIN_BYTES:
-                order.append(RowBucket(len(order), n, p, compression=scheme))
+                order.append(RowBucket(len(order), n, p, compression=scheme, lookups=rows[id(p)]))
             else:
                 by_dtype.setdefault((p.dtype, p.device), []).append((n, p))
         for members in by_dtype.values():
