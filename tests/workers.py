@@ -796,3 +796,25 @@ def rows_outgrown(rank: int, world: int) -> str:
             return f"{rows}: {exc}"
         model.zero_grad(set_to_none=True)
     return "no error"
+
+
+def telemetry_every_piece(rank: int, world: int, logdir: str) -> dict:
+    """12 identical blocks under Inductor (compiled once, the same piece under 12 names), with
+    telemetry: what the trace of a warm step says about each piece."""
+    from distcompile.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    net = GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=12, n_head=2, n_embd=32))
+    model = distcompile.wrap(DDP(net), backend="inductor", logdir=logdir, trace_every=1, figure_every=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(3):
+        x, y = batch("gpt", rank, step)
+        loss_fn("gpt", model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    out = {
+        "pieces": sum(len(g.plan.pieces) for g in model.graphs),
+        "reused": sum(g.pieces_reused for g in model.graphs),
+    }
+    model.close()
+    return out

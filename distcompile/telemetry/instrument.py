@@ -72,9 +72,11 @@ def instrument(compiled: Callable, telemetry: Telemetry, graph_id: int) -> Calla
     Example:
         >>> # used by distcompile.wrap when logdir= is given
     """
-    # split_and_compile renamed each piece submod_N -> compiled_submod_N.
-    pieces = [n for n, _ in compiled.named_children()] if isinstance(compiled, fx.GraphModule) else []
-    pieces = [n for n in pieces if n.startswith("compiled_submod_")]
+    # split_and_compile renamed each piece submod_N -> compiled_submod_N. Identical blocks share
+    # one compiled piece under several names: every name is timed (named_children would give
+    # the shared module once, and the blocks reusing it would show as eager code).
+    children = compiled.named_modules(remove_duplicate=False) if isinstance(compiled, fx.GraphModule) else []
+    pieces = [n for n, _ in children if "." not in n and n.startswith("compiled_submod_")]
     if pieces:
         for k, name in enumerate(sorted(pieces, key=lambda n: int(n.rsplit("_", 1)[1]))):
             setattr(compiled, name, _TimedPiece(getattr(compiled, name), telemetry, f"g{graph_id}.s{k}"))

@@ -184,3 +184,17 @@ def test_graph_breaks_and_recompiles_are_reported(tmp_path: Path) -> None:
     # Note [The control plane]: this rank's store operations per phase, bounded (2 ranks here).
     ops = re.search(r"control plane: (\d+) store ops, [\d.]+ kB on this rank \((.*agreement \d+.*)\)", text)
     assert ops is not None and 0 < int(ops.group(1)) < 200, text
+
+
+@pytest.mark.slow
+def test_every_compiled_piece_is_timed_blocks_reused_from_identical_ones_included(tmp_path: Path) -> None:
+    # A piece reused by identical blocks is one module under several names: instrumenting by
+    # named_children() timed it once, and the timeline drew the other blocks as eager code.
+    res = run_ranks(workers.telemetry_every_piece, 2, str(tmp_path))[0]
+    assert res["reused"] >= 11, res
+    doc = json.loads((tmp_path / "traces" / "trace_rank0_step2.json").read_text())
+    compute = [e["name"] for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "compute"]
+    pieces = [n for n in compute if re.fullmatch(r"g\d+\.s\d+ (fwd|bwd)", n)]
+    fwd = {n for n in pieces if n.endswith(" fwd")}
+    bwd = {n for n in pieces if n.endswith(" bwd")}
+    assert len(fwd) == len(bwd) == res["pieces"] >= 14, (res, sorted(fwd))
