@@ -31,6 +31,6 @@ echo "bench small rc=${PIPESTATUS[0]}"
 
 echo "== benchmark, benchmark GPT (limit ${FULL_S}s)"
 timeout "$FULL_S" "$PY" benchmarks/overlap.py --device cuda --no-first-steps --rounds 2 --block 5 \
-  --variants ddp,compile_ddpopt,compile_ddpopt_cg,dc_inductor,dc_cudagraphs --out-dir "$OUT" 2>&1 \
+  --variants ddp,compile_ddpopt,compile_ddpopt_cg,dc_inductor,dc_inductor_quiet,dc_cudagraphs --out-dir "$OUT" 2>&1 \
   | tee "$OUT/bench-gpt.log" | tail -25
 echo "bench gpt rc=${PIPESTATUS[0]}"

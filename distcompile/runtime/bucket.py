@@ -125,7 +125,12 @@ class FlatBucket:
         dense = self.wire[: self.numel]
         grads = [p.grad for p in self.params]
         if all(produced):
-            in_bucket = [g.data_ptr() == v.data_ptr() for g, v in zip(grads, self.views)]
+            # Gradients are views of the bucket only under gradient_as_bucket_view.
+            in_bucket = (
+                [g.data_ptr() == v.data_ptr() for g, v in zip(grads, self.views)]
+                if self.grad_as_view
+                else [False]
+            )
             if all(in_bucket):
                 # Gradients live in the bucket (gradient_as_bucket_view): one scale (and cast).
                 torch.mul(self.buffer[: self.numel], scale, out=dense)
@@ -253,13 +258,11 @@ class FlatBucket:
                 p.grad.copy_(src)
 
     def _write_all_at_once(self, views: list[torch.Tensor]) -> bool:
-        """The common step (every gradient produced here, each ``.grad`` a tensor of its own of
-        the wire's dtype): one ``foreach`` copy for the bucket instead of one copy a parameter."""
-        if self.grad_as_view or self.fresh_grads or not all(self.produced):
+        """The common step (every gradient produced here, each ``.grad`` a tensor of its own, the
+        wire in the gradients' dtype): one ``foreach`` copy for the bucket instead of one a parameter."""
+        if self.grad_as_view or self.fresh_grads or not all(self.produced) or self.wire is not self.buffer:
             return False
-        grads = [p.grad for p in self.params]
-        if any(g is None or g.dtype != v.dtype for g, v in zip(grads, views)):
-            return False
+        grads = [p.grad for p in self.params]  # produced: none is None
         compat.copy_all(grads, views)
         return True
 

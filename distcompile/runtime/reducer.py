@@ -200,6 +200,7 @@ class BucketReducer:
             step.order, self._locate = self.layout.schedule(tuple(step.graphs), self._form())
             self.hooks.new_step()
             step.started = time.perf_counter()
+            step.streaming = self.optimizers.active and self.writeback.streaming()
             compat.queue_engine_callback(self._finish_step)
         return self._locate
 
@@ -215,12 +216,16 @@ class BucketReducer:
                     self._name_of.get(id(param)),
                 )
             return
-        bucket, i = self._located(step)[id(param)]
+        # Once per parameter and step, so kept short: a bucket is looked at when it fills (a
+        # bucket held back by its predecessor's hook launches when the next one fills, or at
+        # the end of backward).
+        bucket, i = (self._locate if step.order is not None else self._located(step))[id(param)]
         if not bucket.ready[i]:
             bucket.ready[i] = True
             bucket.n_ready += 1
-        self._launch_ready(step)
-        if self.optimizers.active and self.writeback.streaming():
+            if bucket.n_ready == len(bucket.params):
+                self._launch_ready(step)
+        if step.streaming:
             self.writeback.write_finished(step, self.steps)
 
     def _scale(self, step: OpenStep) -> float:

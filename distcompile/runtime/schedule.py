@@ -42,6 +42,7 @@ class OpenStep:
         # divide by them instead of the world size when divide_by_initial_world_size=False).
         self.join_work = None if divide_by_initial else join_work
         self.joining = join_work is not None  # inside a Join context
+        self.streaming = False  # buckets written (an optimizer stepping them) during backward
 
     def stats(self, index: int, waited_s: float) -> StepStats:
         """The figures of this step, the ``index``-th synchronized one, as it ends."""
