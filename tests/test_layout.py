@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
 
 import pytest
 
@@ -178,7 +179,6 @@ def test_import_reader(source: str, expected: set[str]) -> None:
 
 def test_importing_distcompile_imports_no_other_stack() -> None:
     """The core never imports an integration's stack (they are optional and slow to import)."""
-    import subprocess
     import sys
 
     code = (
@@ -211,3 +211,41 @@ def test_every_module_is_named_in_its_package_docstring_and_in_the_design_map() 
             if f"`{path.name}`" not in design:
                 missing.append(f"{path.relative_to(ROOT)} not named in docs/design.md")
     assert not missing, "\n".join(missing)
+
+
+#: Committed files may be this large only under these folders (figures, measured results).
+MAX_COMMITTED_BYTES = 200_000
+LARGE_FILES_ALLOWED_UNDER = ("docs/", "benchmarks/results/")
+
+
+def test_no_large_file_is_committed_outside_docs_and_results() -> None:
+    """Training outputs and binary blobs stay out of git: what the examples write goes under
+    ignored folders (``runs/``, ``ckpt/``), and a committed file over 200 kB must be a figure
+    or a measured result."""
+    repo = ROOT.parent
+    if not (repo / ".git").exists():
+        pytest.skip("not a git checkout (an installed package)")
+    listed = (
+        subprocess.run(["git", "ls-files", "-z"], cwd=repo, capture_output=True, check=True, timeout=60)
+        .stdout.decode()
+        .split("\0")
+    )
+    large = [
+        f"{name} ({(repo / name).stat().st_size / 1e3:.0f} kB)"
+        for name in listed
+        if name
+        and not name.startswith(LARGE_FILES_ALLOWED_UNDER)
+        and (repo / name).is_file()
+        and (repo / name).stat().st_size > MAX_COMMITTED_BYTES
+    ]
+    assert not large, "committed files over 200 kB outside docs/ and benchmarks/results/: " + ", ".join(large)
+
+
+def test_the_ignore_file_covers_what_the_examples_write() -> None:
+    """The folders the examples and the demo write are ignored by git."""
+    ignored = (ROOT.parent / ".gitignore").read_text().split()
+    for folder in ("runs/", "ckpt/", "lightning_logs/"):
+        assert folder in ignored, f".gitignore does not name {folder}"
+    for script in (ROOT.parent / "examples").rglob("*.py"):
+        for written in ('"ckpt/', "'ckpt/"):
+            assert written not in script.read_text(), f"{script.name} writes outside runs/"

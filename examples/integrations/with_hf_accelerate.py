@@ -25,6 +25,6 @@ for x in data:
         opt.step()
         opt.zero_grad()
 
-accelerator.save_state("ckpt/accelerate")  # load_state("ckpt/accelerate") resumes
+accelerator.save_state("runs/ckpt/accelerate")  # load_state("runs/ckpt/accelerate") resumes
 plain = accelerator.get_state_dict(model)  # the user's model's keys: loads into GPT2LMHeadModel
 accelerator.print(f"loss {loss.item():.3f}; {len(plain)} tensors in the plain state dict")

@@ -11,7 +11,7 @@ from distcompile.integrations import hf_trainer
 model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32))
 data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 128, (64, 32))]
 args = TrainingArguments(
-    output_dir="ckpt/hf_trainer",
+    output_dir="runs/ckpt/hf_trainer",
     per_device_train_batch_size=4,
     gradient_accumulation_steps=2,
     max_steps=4,
@@ -22,6 +22,6 @@ args = TrainingArguments(
 trainer = Trainer(model=model, args=args, train_dataset=data)
 hf_trainer.enable(trainer, backend="inductor")  # before train()
 result = trainer.train()
-trainer.save_model("ckpt/hf_trainer/final")  # GPT2LMHeadModel.from_pretrained loads it
+trainer.save_model("runs/ckpt/hf_trainer/final")  # GPT2LMHeadModel.from_pretrained loads it
 if trainer.is_world_process_zero():
     print(f"loss {result.training_loss:.3f} after {result.global_step} steps")

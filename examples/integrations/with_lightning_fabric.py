@@ -25,5 +25,5 @@ for i, x in enumerate(data):
         opt.step()
         opt.zero_grad()
 
-fabric.save("ckpt/fabric.ckpt", {"model": model, "opt": opt})  # the model's plain state dict
+fabric.save("runs/ckpt/fabric.ckpt", {"model": model, "opt": opt})  # the model's plain state dict
 fabric.print(f"loss {loss.item():.3f}")

@@ -30,7 +30,7 @@ trainer = pl.Trainer(
     strategy=DistCompileStrategy(backend="inductor"),
     accumulate_grad_batches=2,  # one all-reduce per optimizer step
     max_steps=4,
-    default_root_dir="ckpt/lightning",
+    default_root_dir="runs/ckpt/lightning",
     logger=False,
 )
 data = torch.utils.data.DataLoader(torch.randint(0, 128, (64, 32)), batch_size=4)
