@@ -22,6 +22,7 @@ __all__ = [
     "compiled_autograd",
     "compiled_original",
     "dynamo_control_flow",
+    "is_region_capture_break",
     "dynamo_fallback_cause",
     "graph_break_parts",
     "inductor_cache_dir",
@@ -291,6 +292,22 @@ def backend_failure_cause(exc: BaseException) -> BaseException | None:
     if isinstance(exc, BackendCompilerFailed):
         return getattr(exc, "inner_exception", None) or exc.__cause__
     return None
+
+
+def is_region_capture_break(exc: BaseException) -> bool:
+    """Whether ``exc`` is TorchDynamo refusing to capture a higher-order op's body whole (a
+    graph break inside a region or a checkpointed function: ``UncapturedHigherOrderOpError``).
+
+    Checked: 2.13, 2.15 (``torch._dynamo.exc.UncapturedHigherOrderOpError``).
+
+    Example:
+        >>> is_region_capture_break(ValueError("x"))
+        False
+    """
+    from torch._dynamo import exc as dynamo_exc
+
+    kind = getattr(dynamo_exc, "UncapturedHigherOrderOpError", None)
+    return kind is not None and isinstance(exc, kind)
 
 
 def dynamo_control_flow() -> tuple[type[BaseException], ...]:

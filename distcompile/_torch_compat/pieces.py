@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ __all__ = [
     "piece_compiler_base",
     "piece_names",
     "python_dispatcher",
+    "real_inputs_allowed",
     "record_piece_metadata",
     "piece_metadata_count",
     "reorder_piece_metadata",
@@ -86,6 +88,26 @@ def piece_compiler_base() -> type:
     except ImportError as exc:
         raise unsupported("DDPOptimizer's SubmodCompiler", exc) from exc
     return SubmodCompiler
+
+
+@contextlib.contextmanager
+def real_inputs_allowed(fake_mode: Any) -> Iterator[None]:
+    """Within: ``fake_mode`` lets real tensors (a piece's parameters) meet fake ones, as
+    DDPOptimizer runs its pieces on fake inputs. Restored on exit. Checked: 2.11-2.15
+    (``FakeTensorMode.allow_non_fake_inputs``).
+
+    Example:
+        >>> mode = fake_mode_of([])
+        >>> with real_inputs_allowed(mode):
+        ...     mode.allow_non_fake_inputs
+        True
+    """
+    before = fake_mode.allow_non_fake_inputs
+    fake_mode.allow_non_fake_inputs = True
+    try:
+        yield
+    finally:
+        fake_mode.allow_non_fake_inputs = before
 
 
 def fake_mode_of(example_inputs: list) -> Any:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import unittest.mock
 from collections.abc import Callable, Sequence
 
 import torch
@@ -234,8 +233,7 @@ def _piece_compiler_class() -> type:
             # A piece with a key holds no tensors (reuse.piece_key), so it runs on fake
             # inputs as it is; any other gets fake copies of its parameters and buffers.
             fake_mod = real_mod if key is not None else compat.fake_module(real_mod, self.fake_mode)
-            allow_real = unittest.mock.patch.object(self.fake_mode, "allow_non_fake_inputs", True)
-            with self.fake_mode, compat.python_dispatcher(), allow_real:
+            with self.fake_mode, compat.python_dispatcher(), compat.real_inputs_allowed(self.fake_mode):
                 out = fake_mod(*fake_args)
             if key is not None and _fresh_outputs_allowed(out, fake_args):
                 self.outputs[job] = out

@@ -61,10 +61,10 @@ def _region_only(exc: BaseException) -> bool:
     (TorchDynamo's ``UncapturedHigherOrderOpError``) or a region we could not inline."""
     cause: BaseException | None = compat.backend_failure_cause(exc)
     while cause is not None:
-        if isinstance(cause, RegionNotInlined) or type(cause).__name__ == "UncapturedHigherOrderOpError":
+        if isinstance(cause, RegionNotInlined) or compat.is_region_capture_break(cause):
             return True
         cause = cause.__cause__
-    return type(exc).__name__ == "UncapturedHigherOrderOpError"
+    return compat.is_region_capture_break(exc)
 
 
 class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):

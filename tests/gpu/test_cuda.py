@@ -76,7 +76,9 @@ def test_cudagraphs_parity(nccl_world_of_one) -> None:
 
 
 @pytest.mark.parametrize(("telemetry", "vocab"), [(False, 512), (True, 512), (False, 8192)])
-def test_no_host_sync_in_a_steady_state_step(nccl_world_of_one, tmp_path, telemetry: bool, vocab: int) -> None:
+def test_no_host_sync_in_a_steady_state_step(
+    nccl_world_of_one, tmp_path, telemetry: bool, vocab: int
+) -> None:
     # With telemetry on too: its CUDA events are read only once the GPU has passed them. With
     # a 2 MiB tied table: reduced by rows, sized at build time (runtime/rows.py).
     cfg = GPTConfig(n_layer=2, n_embd=64, vocab_size=vocab)
