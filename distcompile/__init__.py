@@ -5,11 +5,18 @@ Example:
     >>> # model = distcompile.wrap(DDP(MyModel()), backend="inductor")
 """
 
+from . import errors
 from ._config import CheckOptions, CommunicationOptions, CompileOptions, Config, TelemetryOptions
-from ._errors import (
+from ._torch_compat import warn_if_untested as _warn_if_untested
+from ._wrap import unwrap, wrap
+from .compile.record import GraphRecord  # noqa: F401
+from .diagnostics.doctor import DoctorReport, StageResult, doctor  # noqa: F401
+from .diagnostics.explain import ExplainedGraph, Explanation, explain  # noqa: F401
+from .errors import (  # noqa: F401 (importable from here, listed in errors.__all__)
     CommunicationError,
     CompileError,
     ConfigError,
+    DDPAttributeError,
     DesyncError,
     DistCompileError,
     NonFiniteGradientError,
@@ -18,41 +25,22 @@ from ._errors import (
     UnsupportedTorchError,
     VerificationError,
 )
-from ._torch_compat import warn_if_untested as _warn_if_untested
-from ._wrap import unwrap, wrap
-from .compile.record import GraphRecord
-from .diagnostics.doctor import DoctorReport, StageResult, doctor
-from .diagnostics.explain import ExplainedGraph, Explanation, explain
-from .planning.plan import Bucket, NodeInfo, Plan, plan_graph
+from .planning.plan import Bucket, NodeInfo, Plan, plan_graph  # noqa: F401
 from .runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .runtime.module import DistCompiledModule
 
+# What a user calls or constructs. The error types live in ``distcompile.errors`` (each is
+# also importable from here), and the types our functions return (``Plan``, ``GraphRecord``,
+# ``Explanation``, ``DoctorReport``...) stay importable from here for annotations.
 __all__ = [
-    "Bucket",
     "CheckOptions",
-    "CommunicationError",
     "CommunicationOptions",
-    "CompileError",
     "CompileOptions",
     "Config",
-    "ConfigError",
-    "DesyncError",
-    "DistCompileError",
     "DistCompiledModule",
-    "DoctorReport",
-    "ExplainedGraph",
-    "Explanation",
-    "GraphRecord",
-    "NodeInfo",
-    "NonFiniteGradientError",
-    "Plan",
-    "RecompileError",
-    "StageResult",
     "TelemetryOptions",
-    "UnsupportedModelError",
-    "UnsupportedTorchError",
-    "VerificationError",
     "doctor",
+    "errors",
     "explain",
     "latest_checkpoint",
     "load_checkpoint",

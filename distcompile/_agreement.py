@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from . import _torch_compat as compat
-from ._errors import DesyncError
 from ._store import StoreTimeout, Verdict, agree, answered_within, counted, digest
+from .errors import DesyncError
 
 __all__ = [
     "check_agreement",

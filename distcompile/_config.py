@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._errors import ConfigError
 from ._options import (
     BACKENDS,
     COMPRESSIONS,
@@ -16,6 +15,7 @@ from ._options import (
     group_of,
     hint,
 )
+from .errors import ConfigError
 
 __all__ = [
     "BACKENDS",

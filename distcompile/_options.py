@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._errors import ConfigError
+from .errors import ConfigError
 
 __all__ = [
     "BACKENDS",

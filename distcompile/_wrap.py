@@ -13,8 +13,8 @@ from . import _events
 from . import _torch_compat as compat
 from ._agreement import default_store, mark_address
 from ._config import Config
-from ._errors import UnsupportedModelError
 from ._log import enable_progress
+from .errors import UnsupportedModelError
 from .runtime.ddp import Settings, adopt
 from .runtime.module import DistCompiledModule
 from .runtime.nesting import WRAPPERS

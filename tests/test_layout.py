@@ -15,19 +15,19 @@ import distcompile
 
 ROOT = pathlib.Path(distcompile.__file__).parent
 
-LEAVES = {"_errors", "_options", "_config", "_log", "_events", "_torch_compat", "_store", "_agreement"}
+LEAVES = {"errors", "_options", "_config", "_log", "_events", "_torch_compat", "_store", "_agreement"}
 CORE = {"planning", "capture", "compile", "runtime", "telemetry"}
 #: Unit -> the units it may import (a unit is a subpackage or a top-level module).
 ALLOWED: dict[str, set[str]] = {
-    "_errors": set(),
+    "errors": set(),
     "_log": set(),
     "_events": set(),
-    "_options": {"_errors", "_torch_compat"},
-    "_config": {"_errors", "_options"},
-    "_torch_compat": {"_errors"},
+    "_options": {"errors", "_torch_compat"},
+    "_config": {"errors", "_options"},
+    "_torch_compat": {"errors"},
     "_store": {"_torch_compat"},
-    "_agreement": {"_errors", "_torch_compat", "_store"},
-    "planning": {"_errors"},
+    "_agreement": {"errors", "_torch_compat", "_store"},
+    "planning": {"errors"},
     "capture": LEAVES | {"planning"},
     "compile": LEAVES | {"planning", "capture"},
     "runtime": LEAVES | {"planning", "capture", "compile"},
@@ -249,3 +249,60 @@ def test_the_ignore_file_covers_what_the_examples_write() -> None:
     for script in (ROOT.parent / "examples").rglob("*.py"):
         for written in ('"ckpt/', "'ckpt/"):
             assert written not in script.read_text(), f"{script.name} writes outside runs/"
+
+
+def _type_names(path: pathlib.Path) -> set[str]:
+    """Classes and CamelCase type aliases a module defines at its top level."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            names.add(node.name)
+        elif (
+            isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+        ):
+            name = node.targets[0].id
+            if name[:1].isupper() and not name.isupper() and not isinstance(node.value, ast.Constant):
+                names.add(name)
+    return names
+
+
+def test_one_meaning_per_type_name() -> None:
+    """No two modules define a class (or a type alias) of the same name: a reader who meets
+    ``Bucket`` knows which one it is."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        for name in _type_names(path):
+            where.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    twice = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert not twice, f"type names defined in more than one module: {twice}"
+
+
+def test_errors_live_in_one_module() -> None:
+    """Every error a user may catch (a ``DistCompileError``) is defined in ``distcompile.errors``,
+    listed in its ``__all__``, and importable from the top level too."""
+    import importlib
+
+    from distcompile import errors
+
+    defined = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.name == "__main__.py":
+            continue  # runs a command when imported
+        try:
+            module = importlib.import_module(_module_name(path))
+        except ImportError:  # glue to a stack this environment lacks (integrations/)
+            continue
+        defined += [
+            (path.name, value)
+            for value in vars(module).values()
+            if isinstance(value, type)
+            and issubclass(value, errors.DistCompileError)
+            and value.__module__ == module.__name__
+        ]
+    elsewhere = [
+        f"{name}: {value.__name__}" for name, value in defined if value.__module__ != "distcompile.errors"
+    ]
+    assert not elsewhere, f"errors defined outside distcompile/errors.py: {elsewhere}"
+    assert sorted(errors.__all__) == sorted(value.__name__ for _, value in defined)
+    for name in errors.__all__:
+        assert getattr(distcompile, name, None) is getattr(errors, name), f"distcompile.{name}"

@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from .._errors import UnsupportedTorchError
+from ..errors import UnsupportedTorchError
 
 __all__ = ["TESTED_RANGE", "torch_version", "unsupported", "warn_if_untested"]
 

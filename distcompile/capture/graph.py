@@ -17,7 +17,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from .._errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 from ..planning.plan import NodeInfo
 from .blocks import find_blocks
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from .._errors import RecompileError
+from ..errors import RecompileError
 
 __all__ = ["condense_guard_failures", "recompile_forbidden", "recompile_note"]
 

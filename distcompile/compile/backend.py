@@ -31,12 +31,12 @@ from .. import _events
 from .. import _torch_compat as compat
 from .._agreement import default_store
 from .._config import Config
-from .._errors import CompileError, DistCompileError
 from .._store import describe_counts
 from ..capture.breaks import graph_break_reason, is_data_dependent
 from ..capture.graph import CapturedGraph, lookup_indices, read_graph, refuse_untracked
 from ..capture.guards import condense_guard_failures, recompile_forbidden, recompile_note
 from ..capture.regions import inline_regions
+from ..errors import CompileError, DistCompileError
 from ..planning.costs import CostModel
 from ..planning.plan import Plan, plan_graph
 from ..planning.split import SplitPlan, split_shared

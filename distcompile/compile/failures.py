@@ -7,7 +7,7 @@ import logging
 import torch
 
 from .. import _torch_compat as compat
-from .._errors import CompileError
+from ..errors import CompileError
 
 log = logging.getLogger(__name__)
 

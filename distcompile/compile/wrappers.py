@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from .. import _torch_compat as compat
-from .._errors import ConfigError, UnsupportedModelError
+from ..errors import ConfigError, UnsupportedModelError
 from ..planning.split import Part, SplitPlan
 
 __all__ = ["AsCaptured", "PartTaker", "divert_parts", "recording"]

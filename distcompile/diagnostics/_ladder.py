@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .._errors import VerificationError
 from .._wrap import wrap
 from ..capture.graph import own_forward_code
+from ..errors import VerificationError
 from ..runtime.checkpoint import rng_state, set_rng_state
 
 __all__ = ["Ladder", "Run", "StageResult", "compare"]

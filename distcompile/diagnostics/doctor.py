@@ -17,9 +17,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .._agreement import default_store
 from .._config import BACKENDS
-from .._errors import ConfigError, UnsupportedModelError
 from .._log import enable_progress
 from ..capture.regions import has_repeated_blocks
+from ..errors import ConfigError, UnsupportedModelError
 from ..runtime.checkpoint import rng_state
 from ._ladder import Ladder, StageResult, compare
 

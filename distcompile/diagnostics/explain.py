@@ -9,9 +9,9 @@ import torch
 from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .._errors import ConfigError, UnsupportedModelError
 from ..capture.breaks import graph_break_reason
 from ..capture.graph import own_forward_code, read_graph
+from ..errors import ConfigError, UnsupportedModelError
 from ..planning.plan import Plan, _fmt_bytes, plan_graph
 from ..planning.split import SplitPlan, split_shared
 from ..runtime.ddp import bucket_caps

@@ -1,7 +1,7 @@
 """Planning: which graph nodes form each segment and which gradients each bucket holds.
 
 Pure: it takes numbers and node descriptions and returns a plan. It must never import a
-process group, a compiler, telemetry, or anything else of distcompile but ``_errors``; it
+process group, a compiler, telemetry, or anything else of distcompile but ``errors``; it
 does no I/O.
 
 - ``nodes.py``: ``NodeInfo``, one graph node as the planner sees it.

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from .. import _torch_compat as compat
-from .._errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["AttachedOptimizer", "PER_PARAMETER"]
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .. import _events
 from .. import _torch_compat as compat
-from .._errors import CommunicationError, NonFiniteGradientError, UnsupportedModelError
+from ..errors import CommunicationError, NonFiniteGradientError, UnsupportedModelError
 from .graph_memory import is_owned, own
 from .hooks import CommHook
 

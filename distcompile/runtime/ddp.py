@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .. import _torch_compat as compat
 from .._agreement import check_agreement, default_store
 from .._config import Config
-from .._errors import ConfigError, UnsupportedModelError
+from ..errors import ConfigError, UnsupportedModelError
 from ..planning.costs import CostModel
 from ..planning.plan import DEFAULT_FIRST_BUCKET_BYTES
 from .collectives import agreed_token, broadcast_coalesced, group_device

@@ -69,7 +69,7 @@ import torch
 from torch import nn
 
 from .. import _torch_compat as compat
-from .._errors import VerificationError
+from ..errors import VerificationError
 from .checkpoint import rng_state, set_rng_state
 from .verify import GradTap
 

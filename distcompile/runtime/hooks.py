@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from .._errors import ConfigError, UnsupportedModelError
+from ..errors import ConfigError, UnsupportedModelError
 
 __all__ = ["CommHook", "GradBucketView", "HookChain", "adopt_hook", "builtin_hook", "check_exclusive"]
 

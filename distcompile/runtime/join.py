@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
 from .. import _torch_compat as compat
-from .._errors import CommunicationError
+from ..errors import CommunicationError
 from .collectives import broadcast_coalesced
 
 __all__ = ["DistJoinHook", "JoinState", "notify_join", "sync_flag", "take_last_joiner_state"]

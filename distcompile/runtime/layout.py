@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 from ..planning.plan import Plan
 from ..planning.split import SplitPlan
 from .parts import SharedParts
 from .rows import RowBucket
-from .schedule import Bucket, build_schedule, claimed_by, layout_groups, static_groups
+from .schedule import ReduceBucket, build_schedule, claimed_by, layout_groups, static_groups
 
 __all__ = ["BucketForm", "Layouts"]
 
@@ -74,7 +74,7 @@ class Layouts:
         self._static_rows: dict[int, int] = {}  # its row-reduced tables -> their lookup bound
         self._freeze = freeze
         # graphs that ran -> (buckets in launch order, id(param) -> (bucket, slot))
-        self.schedules: dict[tuple[int, ...], tuple[list[Bucket], dict]] = {}
+        self.schedules: dict[tuple[int, ...], tuple[list[ReduceBucket], dict]] = {}
         self.params_by_id = {id(p): p for p in self.params.values()}
         self._accumulated: set[int] = set()  # of those, the ones holding a gradient at the step's start
 
@@ -104,7 +104,7 @@ class Layouts:
         (their rows are not bounded by the step's lookups: ``runtime/rows.py``)."""
         self._accumulated = {k for k in self.parts.row_ids() if self.params_by_id[k].grad is not None}
 
-    def schedule(self, graphs: tuple[int, ...], form: BucketForm) -> tuple[list[Bucket], dict]:
+    def schedule(self, graphs: tuple[int, ...], form: BucketForm) -> tuple[list[ReduceBucket], dict]:
         """The buckets of a step that ran ``graphs``, in launch order, and where each parameter is."""
         if self._freeze:
             self._freeze = False
@@ -140,7 +140,7 @@ class Layouts:
         log.debug("schedule for graphs %s: %s", graphs, [(b.index, len(b.params), b.nbytes) for b in order])
         return order, locate
 
-    def _mark_accumulated(self, order: list[Bucket]) -> None:
+    def _mark_accumulated(self, order: list[ReduceBucket]) -> None:
         for b in order:
             if isinstance(b, RowBucket):
                 b.accumulated = id(b.params[0]) in self._accumulated

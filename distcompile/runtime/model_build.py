@@ -20,9 +20,9 @@ from torch import nn
 from .. import _torch_compat as compat
 from .._agreement import default_store, ranks_at
 from .._config import Config
-from .._errors import ConfigError, UnsupportedModelError
 from ..capture.regions import mark_repeated_blocks
 from ..compile.backend import CompileTarget, GraphCompiler
+from ..errors import ConfigError, UnsupportedModelError
 from . import shutdown
 from .bucket import Peers
 from .collectives import agreed_token, broadcast_coalesced, group_device

@@ -45,8 +45,8 @@ from torch import nn
 
 from .. import _torch_compat as compat
 from .._agreement import default_store
-from .._errors import DesyncError
 from .._store import StoreTimeout, agree, counted
+from ..errors import DesyncError
 
 __all__ = ["ModelChange", "ModelWatch", "agree_on_change", "meta_message", "on_meta"]
 

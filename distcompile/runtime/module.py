@@ -16,10 +16,10 @@ from .. import _events
 from .. import _torch_compat as compat
 from .._agreement import default_store, failed_ranks, layouts_agree, mark_failed
 from .._config import Config
-from .._errors import DistCompileError, UnsupportedModelError
 from ..capture.regions import RegionNotInlined, region_failure_reason
 from ..compile.backend import CompileObserver
 from ..compile.record import GraphRecord
+from ..errors import DistCompileError, UnsupportedModelError
 from . import shutdown
 from .collectives import broadcast_coalesced
 from .ddp import Settings

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .. import _torch_compat as compat
-from .._errors import ConfigError
+from ..errors import ConfigError
 from .attached_optimizer import AttachedOptimizer
 
 __all__ = ["OptimizersInBackward"]

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from .. import _events
 from .. import _torch_compat as compat
-from .._errors import DistCompileError
+from ..errors import DistCompileError
 from ..planning.plan import Plan
 from ..planning.split import SplitPlan
 from .bucket import NO_PEERS, Peers, comm_error
@@ -54,7 +54,7 @@ from .hooks import CommHook, HookChain
 from .join import JoinState
 from .layout import BucketForm, Layouts
 from .optim_in_backward import OptimizersInBackward
-from .schedule import Bucket, OpenStep, report_uncompiled
+from .schedule import OpenStep, ReduceBucket, report_uncompiled
 from .stats import StepObserver, StepStats
 from .writeback import WriteBack
 
@@ -245,11 +245,11 @@ class BucketReducer:
             self._launch(bucket, self._scale(step), is_last=step.cursor == len(order) - 1)
             step.cursor += 1
 
-    def _previous_hook_done(self, bucket: Bucket, *, wait: bool) -> bool:
+    def _previous_hook_done(self, bucket: ReduceBucket, *, wait: bool) -> bool:
         blocked = (lambda w: self.writeback.blocked(bucket.index - 1, w)) if wait else None
         return self.hooks.previous_done(bucket, wait=blocked)
 
-    def _launch(self, bucket: Bucket, scale: float, *, is_last: bool) -> None:
+    def _launch(self, bucket: ReduceBucket, scale: float, *, is_last: bool) -> None:
         try:
             hook = self.hooks.for_bucket(bucket)
             future = bucket.launch(self.group, scale, hook=hook, is_last=is_last)

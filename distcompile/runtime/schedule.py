@@ -15,7 +15,7 @@ from .sparse import SparseBucket
 from .stats import StepStats
 
 __all__ = [
-    "Bucket",
+    "ReduceBucket",
     "OpenStep",
     "build_schedule",
     "claimed_by",
@@ -24,7 +24,9 @@ __all__ = [
     "static_groups",
 ]
 
-Bucket = FlatBucket | SparseBucket | RowBucket
+#: A bucket of the reduction schedule, as launched in a step (``planning.plan.Bucket`` is the
+#: planned one, which names its parameters and the segment it follows).
+ReduceBucket = FlatBucket | SparseBucket | RowBucket
 
 
 class OpenStep:
@@ -32,7 +34,7 @@ class OpenStep:
 
     def __init__(self, join_work: dist.Work | None, divide_by_initial: bool) -> None:
         self.graphs: list[int] = []
-        self.order: list[Bucket] | None = None
+        self.order: list[ReduceBucket] | None = None
         self.cursor = 0  # buckets launched
         self.written = 0  # buckets whose gradients are written (and stepped, if an optimizer is)
         self.forward_at = time.perf_counter()
@@ -114,7 +116,7 @@ def build_schedule(
     grad_as_view: bool,
     fresh_grads: bool = False,
     rows: Mapping[int, int] | None = None,
-) -> list[Bucket]:
+) -> list[ReduceBucket]:
     """The step's buckets in launch order: one flat bucket per group and dtype, one sparse
     bucket per parameter with a sparse gradient (``sparse``: their ``id``), one row bucket
     per embedding table reduced by rows (``rows``: their ``id`` -> the indices a step looks up
@@ -131,7 +133,7 @@ def build_schedule(
     """
     rows = rows or {}
     groups, tail_from = _groups(graph_buckets, graphs, list(params))
-    order: list[Bucket] = []
+    order: list[ReduceBucket] = []
     for g, names in enumerate(groups):
         first = len(order)
         scheme = compression if g >= tail_from or not compress_tail_only else None
@@ -184,7 +186,10 @@ def static_groups(params: Mapping[str, torch.nn.Parameter], *, cap: int, first_c
 
 
 def report_uncompiled(
-    order: Sequence[Bucket], claimed: set[str], params: Mapping[str, torch.nn.Parameter], log: logging.Logger
+    order: Sequence[ReduceBucket],
+    claimed: set[str],
+    params: Mapping[str, torch.nn.Parameter],
+    log: logging.Logger,
 ) -> None:
     """Log the trainable parameters whose gradient came from code no graph of the step contains
     (a frame TorchDynamo skipped, eager code between graphs): they train uncompiled and wait

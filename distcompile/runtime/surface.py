@@ -17,21 +17,16 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, JoinHook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .._errors import UnsupportedModelError
+from ..errors import DDPAttributeError
 from .hooks import adopt_hook, builtin_hook, check_exclusive
 from .join import DistJoinHook
 
-__all__ = ["DDPAttributeError", "DDPSurface"]
+__all__ = ["DDPSurface"]
 
 log = logging.getLogger(__name__)
 
 #: Methods of the DDP object that ``wrap`` adopted which are redirected to the wrapped module.
 _REDIRECTED = ("register_comm_hook", "_register_builtin_comm_hook", "join_hook")
-
-
-class DDPAttributeError(UnsupportedModelError, AttributeError):
-    """A DistributedDataParallel attribute distcompile does not offer (an ``AttributeError`` too,
-    so that ``hasattr`` keeps working)."""
 
 
 class DDPSurface:

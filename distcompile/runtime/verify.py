@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _torch_compat as compat
-from .._errors import VerificationError
+from ..errors import VerificationError
 from .checkpoint import rng_state, set_rng_state
 from .collectives import all_reduce_coalesced, group_device
 

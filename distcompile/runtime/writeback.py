@@ -21,7 +21,7 @@ from .bucket import FlatBucket, Peers, comm_error, raise_if_nonfinite
 from .hooks import HookChain
 from .optim_in_backward import OptimizersInBackward
 from .parts import SharedParts
-from .schedule import Bucket, OpenStep
+from .schedule import OpenStep, ReduceBucket
 from .stats import StepObserver
 
 __all__ = ["WriteBack"]
@@ -77,13 +77,13 @@ class WriteBack:
             self._optimizers.step(bucket.params)
             step.written += 1
 
-    def _wait(self, bucket: Bucket, index: int) -> None:
+    def _wait(self, bucket: ReduceBucket, index: int) -> None:
         try:
             self.blocked(bucket.index, bucket.wait)
         except Exception as exc:
             raise comm_error(bucket, index, self._peers, "waiting for", exc) from exc
 
-    def _write(self, bucket: Bucket, used: torch.Tensor | None = None) -> None:
+    def _write(self, bucket: ReduceBucket, used: torch.Tensor | None = None) -> None:
         if isinstance(bucket, FlatBucket):
             bucket.write(bucket.wire[bucket.numel :] if used is None else used)
         else:
@@ -98,7 +98,7 @@ class WriteBack:
         if self._observer is not None:
             self._observer.waited(index, t0, t1)
 
-    def wait_and_write(self, order: list[Bucket], index: int, *, write: bool = True) -> None:
+    def wait_and_write(self, order: list[ReduceBucket], index: int, *, write: bool = True) -> None:
         """Wait for every bucket of step ``index`` in order and write its gradients, stepping any
         optimizer in backward after each bucket while the later ones are still in flight. With a
         hook, the used flags are reduced together once every hook is done (a hook may chain

@@ -15,7 +15,7 @@ from .clock import Clock, PendingSpan, StepTimeline
 __all__ = ["instrument"]
 
 
-class Telemetry(Protocol):
+class Recorder(Protocol):
     """What instrumenting needs of ``sink.Telemetry``: whether this step records, its clock and timeline."""
 
     recording: bool
@@ -23,7 +23,7 @@ class Telemetry(Protocol):
     timeline: StepTimeline
 
 
-def _timed_call(fn: Callable, args: tuple, telemetry: Telemetry, label: str) -> object:
+def _timed_call(fn: Callable, args: tuple, telemetry: Recorder, label: str) -> object:
     if not telemetry.recording:
         return fn(*args)
     clock, timeline = telemetry.clock, telemetry.timeline
@@ -56,7 +56,7 @@ def _timed_call(fn: Callable, args: tuple, telemetry: Telemetry, label: str) -> 
 
 
 class _TimedPiece(torch.nn.Module):
-    def __init__(self, piece: torch.nn.Module, telemetry: Telemetry, label: str) -> None:
+    def __init__(self, piece: torch.nn.Module, telemetry: Recorder, label: str) -> None:
         super().__init__()
         self.piece = piece
         self.label = label
@@ -66,7 +66,7 @@ class _TimedPiece(torch.nn.Module):
         return _timed_call(self.piece, args, self.telemetry, self.label)
 
 
-def instrument(compiled: Callable, telemetry: Telemetry, graph_id: int) -> Callable:
+def instrument(compiled: Callable, telemetry: Recorder, graph_id: int) -> Callable:
     """Record each piece's forward and backward span on ``telemetry``'s timeline.
 
     Example:
@@ -84,5 +84,5 @@ def instrument(compiled: Callable, telemetry: Telemetry, graph_id: int) -> Calla
     return functools.partial(_timed_call_args, compiled, telemetry, f"g{graph_id}.s0")
 
 
-def _timed_call_args(fn: Callable, telemetry: Telemetry, label: str, *args: object) -> object:
+def _timed_call_args(fn: Callable, telemetry: Recorder, label: str, *args: object) -> object:
     return _timed_call(fn, args, telemetry, label)

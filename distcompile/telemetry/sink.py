@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import _torch_compat as compat
-from .._errors import ConfigError
+from ..errors import ConfigError
 from .clock import PendingSpan, PendingStep, PendingSteps, StepTimeline, clock_for
 from .figure import gantt_figure
 from .instrument import instrument

@@ -1,7 +1,13 @@
-"""Exception types raised by distcompile.
+"""Exception types raised by distcompile, all in this module.
 
 Every error names the value that was found, why it is a problem, and the
-setting or call that fixes it.
+setting or call that fixes it. Each derives from :class:`DistCompileError`, and each is
+also importable from the top level (``distcompile.ConfigError``).
+
+Example:
+    >>> from distcompile import errors
+    >>> issubclass(errors.ConfigError, errors.DistCompileError) and issubclass(errors.ConfigError, ValueError)
+    True
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ __all__ = [
     "UnsupportedTorchError",
     "CompileError",
     "VerificationError",
+    "DDPAttributeError",
 ]
 
 
@@ -58,3 +65,8 @@ class CompileError(DistCompileError):
 
 class VerificationError(DistCompileError):
     """The compiled step differs from eager DDP's (``verify=True``): says where and by how much."""
+
+
+class DDPAttributeError(UnsupportedModelError, AttributeError):
+    """A DistributedDataParallel attribute distcompile does not offer (an ``AttributeError`` too,
+    so that ``hasattr`` keeps working)."""
