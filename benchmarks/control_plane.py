@@ -15,8 +15,8 @@ functions, unmodified, with synthetic inputs of stated sizes (no model, no compi
   first rank measures and the others read;
 - ``layout``: ``_agreement.layouts_agree`` of a bucket layout of 64 buckets;
 - ``recompile``: ``_agreement.compile_together`` (whether the ranks recompile together);
-- ``peers``: ``compile.peers.folder_of`` and ``warm_ranks`` with one folder per 2 ranks;
-- ``sharing``: ``compile.sharing.CompileSharing.compile_all`` of one graph of 4 distinct
+- ``peers``: ``fleet.peers.folder_of`` and ``warm_ranks`` with one folder per 2 ranks;
+- ``sharing``: ``fleet.sharing.CompileSharing.compile_all`` of one graph of 4 distinct
   pieces, one folder per 2 ranks, cold, through the store (the path after a failure in the
   leaders' tree, which is a gloo group and cannot run in threads; the tree's bytes per
   process are arithmetic: Note [Compiles between folders by tree]). Its heartbeats, marks,
@@ -121,7 +121,7 @@ class _Client:
 
 def _phase_calls(summary: str, layout: list[list[str]], payload_kb: float) -> dict[str, Callable]:
     from distcompile._agreement import check_agreement, compile_together, first_rank_says, layouts_agree
-    from distcompile.compile.peers import folder_of, warm_ranks
+    from distcompile.fleet.peers import folder_of, warm_ranks
 
     def agreement(store: _Client, rank: int, ranks: list[int], key: str) -> None:
         check_agreement(store, key, summary, rank=rank, ranks=ranks, timeout_s=600, what="graph 0")
@@ -161,7 +161,7 @@ def _sharing_call(payload_kb: float) -> Callable:
     """One rank's ``compile_all`` of a graph of ``PIECES`` pieces, two ranks a folder, through the store."""
     from torch import fx, nn
 
-    from distcompile.compile import sharing, transfer
+    from distcompile.fleet import sharing, transfer
 
     piece, done = os.urandom(int(payload_kb * 1024)), threading.local()
 

@@ -50,7 +50,7 @@ def killed_mid_compile(rank: int, world: int, cache_dirs: list[str]) -> dict:
     on the dead peer. Returns rank 0's compile log and how its step ended."""
     import time
 
-    from distcompile.compile import sharing
+    from distcompile.fleet import sharing
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dirs[rank]
     if rank == 1:

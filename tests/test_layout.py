@@ -16,7 +16,7 @@ import distcompile
 ROOT = pathlib.Path(distcompile.__file__).parent
 
 LEAVES = {"errors", "_options", "_config", "_log", "_events", "_torch_compat", "_store", "_agreement"}
-CORE = {"planning", "capture", "compile", "runtime", "telemetry"}
+CORE = {"planning", "capture", "compile", "fleet", "runtime", "telemetry"}
 #: Unit -> the units it may import (a unit is a subpackage or a top-level module).
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
@@ -30,7 +30,9 @@ ALLOWED: dict[str, set[str]] = {
     "planning": {"errors"},
     "capture": LEAVES | {"planning"},
     "compile": LEAVES | {"planning", "capture"},
-    "runtime": LEAVES | {"planning", "capture", "compile"},
+    # Compile sharing: the seam it implements is compile's (compile/jobs.py); compile never imports it.
+    "fleet": LEAVES | {"compile"},
+    "runtime": LEAVES | {"planning", "capture", "compile", "fleet"},
     "telemetry": LEAVES | {"planning", "capture", "compile", "runtime"},
     "_wrap": LEAVES | CORE,
     "diagnostics": LEAVES | CORE | {"_wrap"},
@@ -151,6 +153,19 @@ def test_modules_and_functions_stay_small() -> None:
                 if n > MAX_FUNCTION_LINES:
                     big.append(f"{module}.{node.name}: {n} lines (max {MAX_FUNCTION_LINES})")
     assert not big, "\n".join(big)
+
+
+#: The core a maintainer reads to change how a piece is compiled (compile sharing is in fleet/).
+MAX_COMPILE_LINES = 1800
+
+
+def test_compile_stays_a_local_compiler() -> None:
+    """``compile/`` turns a graph into pieces and compiles them here; sharing between ranks
+    lives in ``fleet/`` behind ``compile.jobs.SharedCompiles`` and is never imported by it."""
+    lines = sum(len(p.read_text().splitlines()) for p in (ROOT / "compile").glob("*.py"))
+    assert lines < MAX_COMPILE_LINES, f"compile/ is {lines} lines"
+    for path in (ROOT / "compile").glob("*.py"):
+        assert not any(m.startswith("distcompile.fleet") for m in _runtime_imports(path, type_only=True)), path
 
 
 def test_every_package_says_what_it_owns() -> None:

@@ -666,7 +666,7 @@ def compute_rate_together_and_alone(rank: int, world: int) -> dict:
 def tree_broadcasts(rank: int, world: int) -> dict:
     """The leaders' tree: a gloo group of ranks 0, 2 and 4 made by them alone (1 and 3 never
     call it), and a broadcast from each of them (Note [Compiles between folders by tree])."""
-    from distcompile.compile.tree import leaders_group, tree_broadcast
+    from distcompile.fleet.tree import leaders_group, tree_broadcast
 
     leaders = [0, 2, 4]
     if rank not in leaders:
@@ -685,8 +685,9 @@ def tree_leader_lost(rank: int, world: int, cache_root: str) -> dict:
     compiles what it lacks, says why, and marks the tree broken for the rest of the job."""
     from torch import fx, nn
 
-    from distcompile.compile import tree
-    from distcompile.compile.sharing import CompileJob, CompileSharing
+    from distcompile.compile.jobs import CompileJob
+    from distcompile.fleet import tree
+    from distcompile.fleet.sharing import CompileSharing
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, str(rank))  # removed by the test
     if rank == 1:

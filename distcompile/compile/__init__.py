@@ -10,12 +10,9 @@ only through the small interfaces it is given (``backend.BucketRegistry``,
 - ``pricing.py``: a graph's compute and wire costs for ``bucket_cap_mb="auto"``.
 - ``segments.py``: splitting the graph at the planned boundaries, compiling each piece.
 - ``reuse.py``: which pieces are interchangeable, so one compiled piece serves them all.
-- ``sharing.py``: compiles split between the ranks that share a cache folder, and across folders.
-- ``share_plan.py``: who compiles each piece, who publishes, whom each rank loads from (pure).
-- ``peers.py``: which ranks share a folder, which are warm; the heartbeat.
-- ``transfer.py``: compiled pieces packed, published and installed through the store.
-- ``tree.py``: compiled pieces between folders' leaders down a binomial tree (a gloo group).
-- ``cpu_checks.py``: Inductor's one-time CPU checks, split between ranks.
+- ``jobs.py``: the distinct pieces to compile, and the seam to compile sharing (``SharedCompiles``,
+  implemented in ``distcompile/fleet``: ``compile/`` compiles locally and knows no peers).
+- ``cpu_checks.py``: Inductor's one-time CPU checks, in an order that lets ranks split them.
 - ``wrappers.py``: what runs around a compiled graph (the reducer told, backwards refused with
   the fix, the graph as captured for the forward check).
 - ``failures.py``: a failure inside torch's compilers as a ``CompileError`` with the next rung.

@@ -29,7 +29,6 @@ from torch import fx
 
 from .. import _events
 from .. import _torch_compat as compat
-from .._agreement import default_store
 from .._config import Config
 from .._store import describe_counts
 from ..capture.breaks import graph_break_reason, is_data_dependent
@@ -41,11 +40,11 @@ from ..planning.costs import CostModel
 from ..planning.plan import Plan, plan_graph
 from ..planning.split import SplitPlan, split_shared
 from .failures import compile_failure, dynamo_fallback
+from .jobs import SharedCompiles
 from .lockstep import Lockstep
 from .pricing import graph_costs, planned_by
 from .record import GraphRecord
 from .segments import inner_compiler, split_and_compile
-from .sharing import CompileSharing
 from .wrappers import AsCaptured, divert_parts, recording
 
 __all__ = ["BucketRegistry", "CompileObserver", "CompileTarget", "GraphCompiler"]
@@ -126,7 +125,12 @@ class GraphCompiler:
     """
 
     def __init__(
-        self, target: CompileTarget, *, registry: BucketRegistry, observer: CompileObserver | None
+        self,
+        target: CompileTarget,
+        *,
+        registry: BucketRegistry,
+        observer: CompileObserver | None,
+        sharing: SharedCompiles | None = None,
     ) -> None:
         self.target = target
         config = target.config
@@ -139,17 +143,8 @@ class GraphCompiler:
         self._guard_failures: list[str] = []
         self._doing = ""
         self._calls = 0
-        # Note [Sharing compiles between ranks]: only Inductor's compiles, through its caches.
-        self._sharing = CompileSharing(
-            default_store,
-            f"{target.store_prefix}/compiles",
-            rank=target.rank,
-            ranks=target.ranks,
-            timeout_s=config.desync_timeout_s,
-            enabled=config.share_compiles
-            and config.backend == "inductor"
-            and compat.compile_caches_enabled(),
-        )
+        # Note [Sharing compiles between ranks] (``distcompile/fleet``): None compiles alone.
+        self._sharing = sharing
         self._together = True
         # A part's gradient is held until its bucket launches: not from CUDA-graph memory,
         # which the next replay may overwrite (Note [Shared weights reduced by use]).
@@ -222,7 +217,7 @@ class GraphCompiler:
                 planned_by=planned_by,
                 pieces_reused=reused,
                 split=split,
-                piece_sources=dict(self._sharing.sources) if together else {},
+                piece_sources=dict(self._sharing.sources) if together and self._sharing else {},
             )
             compiled = self._record(record, compiled, t0)
             if self.lockstep.ended_at(
@@ -258,7 +253,7 @@ class GraphCompiler:
         )
 
     def _abandon(self) -> None:
-        if self._together and self.lockstep.name:  # peers waiting for this rank's share: stop
+        if self._sharing and self._together and self.lockstep.name:  # peers waiting for its share: stop
             self._sharing.abandon(self.lockstep.name)
 
     # -- the steps ---------------------------------------------------------------------
@@ -365,7 +360,7 @@ class GraphCompiler:
             plan=plan,
             compiler=timed_compiler,
             cacheable=cfg.backend == "inductor",
-            sharing=self._sharing if together else None,
+            sharing=self._sharing if together else None,  # apart: each rank compiles its own graph
             graph=self.lockstep.name,
         )
         return compiled, segment_s, reused
@@ -374,13 +369,9 @@ class GraphCompiler:
         if self.target.config.backend == "eager" or not torch.is_grad_enabled():
             return ""
         # Note [Sharing compiles between ranks], Note [Compiles shared across cache folders]
-        sharing = self._sharing
-        peers = sharing.sharers if self._together and sharing.peers is not None else ()
-        if len(peers) > 1 and (len(plan.compiled_pieces) > 1 or sharing.sources):  # else each compiles it
-            sources = sharing.describe_sources()
-            return f"; compiles split between ranks {list(peers)} (backward included)" + (
-                f"; {sources}" if sources else ""
-            )
+        shared = self._sharing.describe(len(plan.compiled_pieces)) if self._sharing and self._together else ""
+        if shared:
+            return shared
         return "; its backward compiles during the first backward"
 
     def _record(self, record: GraphRecord, compiled: Callable, t0: float) -> Callable:

@@ -19,8 +19,8 @@ from .. import _torch_compat as compat
 from ..capture.graph import CapturedGraph
 from ..planning.plan import Plan
 from .cpu_checks import run_cpu_checks, runs_on_cpu
+from .jobs import CompileJob, SharedCompiles
 from .reuse import backward_order, piece_key
-from .sharing import CompileJob, CompileSharing
 
 __all__ = ["inner_compiler", "split_and_compile"]
 
@@ -244,7 +244,7 @@ def _piece_compiler_class() -> type:
     return PieceCompiler
 
 
-def _compile_jobs(interpreter: fx.Interpreter, sharing: CompileSharing | None, graph: str) -> None:
+def _compile_jobs(interpreter: fx.Interpreter, sharing: SharedCompiles | None, graph: str) -> None:
     """Compile the walk's jobs, put each compiled piece in its nodes' place, order the metadata.
 
     Alone, a job's backward is compiled at its first run, which reads the piece's
@@ -280,7 +280,7 @@ def _whole_shared(
     example_inputs: Sequence[object],
     *,
     compiler: CompilerFn,
-    sharing: CompileSharing,
+    sharing: SharedCompiles,
     graph: str,
 ) -> Callable:
     """A graph of one piece, when the ranks have several cache folders: one rank compiles
@@ -301,7 +301,7 @@ def split_and_compile(
     captured: CapturedGraph,
     plan: Plan,
     compiler: CompilerFn,
-    sharing: CompileSharing | None,
+    sharing: SharedCompiles | None,
     graph: str,
     cacheable: bool = False,
 ) -> tuple[Callable, int]:
@@ -322,7 +322,7 @@ def split_and_compile(
     """
     pieces = plan.compiled_pieces
     if sharing is not None:
-        sharing.sources.clear()  # this graph's pieces, counted by compile_all if it runs
+        sharing.forget_sources()  # this graph's pieces, counted by compile_all if it runs
     if len(pieces) == 1:
         if cacheable and sharing is not None and sharing.several_folders():
             return _whole_shared(gm, example_inputs, compiler=compiler, sharing=sharing, graph=graph), 0

@@ -27,7 +27,7 @@ from torch import nn
 
 from .. import _events
 from .. import _torch_compat as compat
-from ..compile import transfer
+from ..fleet import transfer
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "rng_state", "set_rng_state"]
 

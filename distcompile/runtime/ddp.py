@@ -9,7 +9,6 @@ fp16/bf16 hooks included), ignored parameters, the device, and the measured cost
 
 from __future__ import annotations
 
-import itertools
 import os
 from dataclasses import dataclass
 
@@ -34,7 +33,6 @@ __all__ = ["Settings", "adopt", "bucket_caps"]
 #: Store keys of the cross-rank checks. A per-process counter: every rank must call
 #: ``wrap`` for its models in the same order (as with any collective), so the n-th check
 #: of every rank uses the same key.
-_check_ids = itertools.count()
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,12 +115,15 @@ def adopt(model: nn.Module, cfg: Config) -> tuple[nn.Module, Settings]:
             "drop cudagraphs=True on this machine."
         )
     ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-    _check_across_ranks(model, inner, ranks, cfg, group)
+    # The model's keys in the store, drawn by the first rank: every check below is keyed by
+    # it, not by how many models this process wrapped before.
+    token = agreed_token(src=ranks[0], group=group, device=group_device(group, params))
+    store_root = f"distcompile/{token:016x}"
+    _check_across_ranks(model, inner, ranks, cfg, group, store_root)
     costs = None
     if cfg.bucket_cap_mb == "auto":
         device = fields["device"] or (params[0].device if params else torch.device("cpu"))
         costs = measure_costs(group=group, device=device, remember_dir=_costs_dir())
-    token = agreed_token(src=ranks[0], group=group, device=group_device(group, params))
     return inner, Settings(
         **fields,
         ranks=ranks,
@@ -133,21 +134,25 @@ def adopt(model: nn.Module, cfg: Config) -> tuple[nn.Module, Settings]:
         compression=cfg.compression or compression,
         comm_hook=comm_hook,
         costs=costs,
-        store_root=f"distcompile/{token:016x}",
+        store_root=store_root,
     )
 
 
 def _check_across_ranks(
-    model: nn.Module, inner: nn.Module, ranks: tuple[int, ...], cfg: Config, group: dist.ProcessGroup | None
+    model: nn.Module,
+    inner: nn.Module,
+    ranks: tuple[int, ...],
+    cfg: Config,
+    group: dist.ProcessGroup | None,
+    store_root: str,
 ) -> None:
     """A DDP model's parameter values; a plain module's shapes, then rank 0's states broadcast."""
     if isinstance(model, DDP):
         if cfg.check_params:
             _agree_on(
-                inner,
                 ranks,
                 cfg,
-                "params",
+                f"{store_root}/params",
                 _param_checksums(inner),
                 "the parameter values at wrap time",
                 "DDP broadcast rank 0's parameters when it was built; they changed since on some rank "
@@ -159,10 +164,9 @@ def _check_across_ranks(
         # differ in shape would hang or fail inside the first broadcast.
         shapes = "\n".join(f"{n} {tuple(p.shape)} {p.dtype}" for n, p in inner.named_parameters())
         _agree_on(
-            inner,
             ranks,
             cfg,
-            "shapes",
+            f"{store_root}/shapes",
             shapes,
             "the model's parameter names, shapes and dtypes",
             "Every rank must build the same model before wrap().",
@@ -247,12 +251,10 @@ def _from_module(model: nn.Module) -> tuple[nn.Module, dict]:
     }
 
 
-def _agree_on(
-    module: nn.Module, ranks: tuple[int, ...], cfg: Config, kind: str, summary: str, what: str, fix: str
-) -> None:
+def _agree_on(ranks: tuple[int, ...], cfg: Config, key: str, summary: str, what: str, fix: str) -> None:
     check_agreement(
         default_store(),
-        f"distcompile/{kind}{next(_check_ids)}",
+        key,
         summary,
         rank=dist.get_rank(),
         ranks=list(ranks),

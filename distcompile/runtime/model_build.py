@@ -23,6 +23,7 @@ from .._config import Config
 from ..capture.regions import mark_repeated_blocks
 from ..compile.backend import CompileTarget, GraphCompiler
 from ..errors import ConfigError, UnsupportedModelError
+from ..fleet import sharing_for
 from . import shutdown
 from .bucket import Peers
 from .collectives import agreed_token, broadcast_coalesced, group_device
@@ -116,7 +117,10 @@ class ModelBuild:
             # graph would train without an all-reduce; the backend refuses it.
             untracked_ok=frozenset(id(p) for n, p in self.module.named_parameters() if n in settings.ignored),
         )
-        self._backend = GraphCompiler(target, registry=self._reducer, observer=self._observer)
+        sharing = sharing_for(config, store_prefix=self._store_prefix, rank=self._rank, ranks=settings.ranks)
+        self._backend = GraphCompiler(
+            target, registry=self._reducer, observer=self._observer, sharing=sharing
+        )
         self._check = self._first_step_check(config, settings, params)
         # dynamic=True: TorchDynamo (2.13, 2.15) fails region traces with every dimension dynamic.
         self._unmark = (

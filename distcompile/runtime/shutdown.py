@@ -16,7 +16,11 @@ Note [Exit abort]
     keeps them alive to the end). Upstream: pytorch#190489 (open), pytorch#179291 (an
     atexit destroy, abandoned).
 
-    ``atexit`` handlers run before finalization, with Python whole: this one closes open
+    ``atexit`` handlers run before finalization, with Python whole. This one is registered
+    by the first ``wrap`` of the process (``track``), not at import: a process that never
+    wraps a model runs nothing of ours at exit. It stays registered after the last model
+    closes, since the threads it waits for outlive the models (a DDP model keeps its group);
+    with no model open and no communication thread alive it returns at once. It closes open
     models (telemetry flushed, hooks removed), then, while torch communication threads
     are alive, leaves the GIL free: one slice, then more for as long as any of them is
     runnable (a thread the scheduler preempted right after finishing a collective), up
@@ -48,7 +52,7 @@ class _Closable(Protocol):
 
 
 _open: weakref.WeakSet[_Closable] = weakref.WeakSet()
-_tracked_any = False
+_tracked_any = False  # set by the first track(), which registers the exit handler
 
 
 def track(model: _Closable) -> None:
@@ -58,7 +62,9 @@ def track(model: _Closable) -> None:
         >>> # track(model)   # DistCompiledModule.__init__ does this
     """
     global _tracked_any
-    _tracked_any = True
+    if not _tracked_any:
+        atexit.register(_before_finalization)
+        _tracked_any = True
     _open.add(model)
 
 
@@ -94,7 +100,6 @@ def communication_threads() -> tuple[int, int] | None:
     return alive, runnable
 
 
-@atexit.register
 def _before_finalization() -> None:
     for model in list(_open):
         try:
@@ -102,9 +107,8 @@ def _before_finalization() -> None:
         except Exception:  # noqa: BLE001 - exiting anyway; say what was not flushed
             log.warning("closing a distcompile model at exit failed", exc_info=True)
     found = communication_threads()
-    if found is None:  # no /proc: a fixed grace, where a model was used
-        if _tracked_any:
-            time.sleep(0.1)
+    if found is None:  # no /proc: a fixed grace (a model was used: this handler is registered)
+        time.sleep(0.1)
         return
     if not found[0]:
         return

@@ -18,9 +18,13 @@ cpus = sorted(os.sched_getaffinity(0))
 # gloo thread likely to be preempted between finishing a collective and releasing it.
 os.sched_setaffinity(0, {cpus[int(sys.argv[1]) % len(cpus)]})
 import torch, torch.distributed as dist
-import distcompile  # noqa: F401 - what a user's script imports; registers the exit handler
+from torch.nn.parallel import DistributedDataParallel as DDP
+import distcompile
 
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=int(sys.argv[1]), world_size=2)
+model = distcompile.wrap(DDP(torch.nn.Linear(4, 4)), backend="eager")  # registers the exit handler
+model(torch.ones(2, 4)).sum().backward()
+model.close()  # the handler stays: the group's threads outlive the model
 for _ in range(50):
     dist.all_reduce(torch.ones(4096))  # nothing in Python keeps the tensor
 # The script ends right after its last collective.
@@ -31,7 +35,7 @@ for _ in range(50):
 @pytest.mark.torch_compat
 def test_ranks_whose_last_line_is_a_collective_exit_cleanly(tmp_path: Path) -> None:
     # Measured on 2 cores, torch 2.13.0, Python 3.11.7, "terminate called without an
-    # active exception" (SIGABRT) in: the same script without "import distcompile": 34 of
+    # active exception" (SIGABRT) in: the same collectives without distcompile: 34 of
     # 80 rank processes; with it but the handler's grace removed: 11 of 100 (three runs of
     # this test); with the handler: 0 of 140. At 1 in 9, 40 processes pass by chance with
     # probability about 1%.
@@ -54,6 +58,35 @@ def test_ranks_whose_last_line_is_a_collective_exit_cleanly(tmp_path: Path) -> N
             if p.returncode != 0:
                 failures.append(f"run {run} rank {rank}: exit {p.returncode}: {err[-500:]}")
     assert not failures, "\n".join(failures)
+
+
+_IMPORT_THEN_WRAP = """
+import sys
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import distcompile
+from distcompile.runtime import shutdown
+
+shutdown.communication_threads = lambda: print("exit handler ran")  # what the handler calls first
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+for _ in range(int(sys.argv[2])):
+    distcompile.wrap(DDP(torch.nn.Linear(4, 4)), backend="eager").close()
+"""
+
+
+@pytest.mark.parametrize("wraps", [0, 2])
+def test_importing_registers_nothing_at_exit_and_the_first_wrap_one_handler(wraps: int) -> None:
+    """Nothing at import but definitions: the exit handler (Note [Exit abort]) comes with the
+    first wrap of the process, and runs once however many models it wrapped."""
+    out = subprocess.run(
+        [sys.executable, "-c", _IMPORT_THEN_WRAP, str(free_port()), str(wraps)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("exit handler ran") == (1 if wraps else 0), out.stdout
 
 
 _LEFT_OPEN = """

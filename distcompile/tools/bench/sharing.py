@@ -61,7 +61,7 @@ def sharing_table(rows: list[dict]) -> str:
             out.append((r["scenario"], "failed: " + r["error"][:60], "", ""))
             continue
         ratio = "-" if r.get("ratio") is None else f"{r['ratio']:.2f}x"
-        from ...compile.sharing import SOURCES  # imports torch: not in the parent process until here
+        from ...fleet.sharing import SOURCES  # imports torch: not in the parent process until here
 
         src = r.get("sources") or {}
         pieces = " / ".join(str(src.get(k, 0)) for k in SOURCES) if src else "-"

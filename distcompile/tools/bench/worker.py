@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import distcompile
 
-from ...compile.sharing import SOURCES
+from ...fleet.sharing import SOURCES
 from ...telemetry.timeline import mean_figures
 from .floor import measure_floor
 from .gpu import gpu_meta, profile_steps

@@ -12,10 +12,11 @@ import pytest
 import torch.distributed as dist
 from torch import fx, nn
 
-import distcompile.compile.peers as peers_module
+import distcompile.fleet.peers as peers_module
 from distcompile import _torch_compat as compat
-from distcompile.compile import transfer
-from distcompile.compile.sharing import CompileJob, CompileSharing
+from distcompile.compile.jobs import CompileJob
+from distcompile.fleet import transfer
+from distcompile.fleet.sharing import CompileSharing
 from tests import artifact_workers, workers
 from tests.harness import run_ranks
 from tests.runtime.test_parity import TOL, _check
@@ -247,7 +248,7 @@ def test_a_peer_that_beats_is_waited_for_past_desync_timeout_s(caplog) -> None: 
     import threading
     import time
 
-    from distcompile.compile.peers import Heartbeat
+    from distcompile.fleet.peers import Heartbeat
 
     store = dist.HashStore()
     waiter = CompileSharing(lambda: store, "t", rank=0, ranks=(0, 1), timeout_s=0.4)

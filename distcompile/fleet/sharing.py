@@ -43,21 +43,20 @@ import hashlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
-from torch import fx
 
 from .. import _torch_compat as compat
 from .._store import CountedStore, counted
+from ..compile.cpu_checks import run_cpu_checks, runs_on_cpu
+from ..compile.jobs import CompileJob
 from . import transfer, tree
-from .cpu_checks import run_cpu_checks, runs_on_cpu, share_cpu_checks
+from .cpu_checks import share_cpu_checks
 from .peers import Heartbeat, cache_peers, folder_of, touch, wait_for_peer, warm_marker, warm_ranks
 from .share_plan import SharePlan, plan_sharing
 
 __all__ = [
     "SOURCES",
-    "CompileJob",
     "CompileSharing",
     "jobs_digest",
 ]
@@ -68,38 +67,12 @@ log = logging.getLogger(__name__)
 SOURCES = ("compiled here", "cache", "same-folder peer", "other-folder peer")
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class CompileJob:
-    """One distinct piece to compile.
-
-    Attributes:
-        module: The piece.
-        args: Its (fake) example inputs.
-        key: ``reuse.piece_key`` of the piece, or ``None`` (it stands for itself alone).
-        position: Where its first use comes among the graph's pieces (1 for the first).
-        needs_backward: Whether any of its inputs requires a gradient.
-        shareable: Whether a peer can load it from AOTAutograd's cache
-            (``compat.aot_cacheable``); if not, every rank compiles it.
-    """
-
-    module: fx.GraphModule
-    args: list
-    key: str | None
-    position: int = 0
-    needs_backward: bool = False
-    shareable: bool = True
-
-    @property
-    def cost(self) -> int:
-        """Operations in the piece: the compile work, roughly."""
-        return sum(1 for n in self.module.graph.nodes if n.op not in ("placeholder", "output", "get_attr"))
-
-
 def jobs_digest(jobs: Sequence[CompileJob]) -> str:
     """A name for a graph's distinct pieces that a restarted job computes alike: their code
     and the shapes and dtypes of their inputs.
 
     Example:
+        >>> from torch import fx
         >>> job = CompileJob(fx.symbolic_trace(torch.nn.ReLU()), [torch.zeros(2)], None)
         >>> jobs_digest([job]) == jobs_digest([job]), len(jobs_digest([job]))
         (True, 16)
@@ -316,6 +289,26 @@ class CompileSharing:
         out = compile_one(job)
         self.sources[source if compat.compile_cache_hits() > hits else "compiled here"] += 1
         return out
+
+    def describe(self, pieces: int) -> str:
+        """For the compile log line: the ranks that split a graph of ``pieces`` pieces and where
+        its pieces came from; ``""`` when every rank compiled it alone (one piece, one folder).
+
+        Example:
+            >>> CompileSharing(lambda: None, "", rank=0, ranks=(0,), timeout_s=1).describe(3)
+            ''
+        """
+        peers = self.sharers if self.peers is not None else ()
+        if len(peers) <= 1 or (pieces <= 1 and not self.sources):
+            return ""
+        sources = self.describe_sources()
+        return f"; compiles split between ranks {list(peers)} (backward included)" + (
+            f"; {sources}" if sources else ""
+        )
+
+    def forget_sources(self) -> None:
+        """A new graph starts: ``sources`` counts its pieces only."""
+        self.sources.clear()
 
     def describe_sources(self) -> str:
         """Where the last compile's pieces came from, for the compile log line.

@@ -14,10 +14,10 @@ import pytest
 import torch.distributed as dist
 from torch import fx, nn
 
-import distcompile.compile.peers as peers_module
+import distcompile.fleet.peers as peers_module
 from distcompile.compile.cpu_checks import cpu_check_order
-from distcompile.compile.peers import assign
-from distcompile.compile.sharing import CompileJob, CompileSharing
+from distcompile.compile.jobs import CompileJob, assign
+from distcompile.fleet.sharing import CompileSharing
 from tests import workers
 from tests.harness import run_ranks
 from tests.runtime.test_parity import TOL, _check
@@ -88,7 +88,7 @@ def test_a_peer_that_left_the_compile_is_not_waited_for(caplog) -> None:  # noqa
 def _peers(rank: int, world: int, folders: list[str]) -> tuple[int, ...]:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = folders[rank]
     from distcompile._agreement import default_store
-    from distcompile.compile.peers import cache_peers
+    from distcompile.fleet.peers import cache_peers
 
     return cache_peers(default_store(), "test/peers", rank=rank, ranks=list(range(world)), timeout_s=60)
 

@@ -18,7 +18,6 @@ from .._store import CountedStore, StoreTimeout, barrier, counted, gather_small
 __all__ = [
     "PEER_WAIT_S",
     "Heartbeat",
-    "assign",
     "cache_peers",
     "folder_of",
     "touch",
@@ -142,22 +141,6 @@ def warm_ranks(
     if warm and len(warm) < len(ranks) and rank not in warm:
         log.info("rank %d: its compile cache is cold; loading the pieces ranks %s hold", rank, list(warm))
     return warm
-
-
-def assign(costs: Sequence[int], peers: int) -> list[int]:
-    """Owner (peer index) of each job: largest first, each to the least loaded peer.
-
-    Example:
-        >>> assign([5, 20, 3, 10], 2)
-        [1, 0, 1, 1]
-    """
-    load = [0] * peers
-    owner = [0] * len(costs)
-    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
-        p = min(range(peers), key=lambda p: (load[p], p))
-        owner[j] = p
-        load[p] += costs[j]
-    return owner
 
 
 class Heartbeat:

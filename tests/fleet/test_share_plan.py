@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from distcompile.compile.share_plan import plan_sharing
+from distcompile.fleet.share_plan import plan_sharing
 
 COSTS, SHAREABLE = [8, 5, 3, 2], [True] * 4
 

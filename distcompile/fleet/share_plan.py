@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .peers import assign
+from ..compile.jobs import assign
 
 __all__ = ["SharePlan", "plan_sharing"]
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from distcompile.compile.tree import binomial_rounds
+from distcompile.fleet.tree import binomial_rounds
 from tests import workers
 from tests.harness import run_ranks
 
