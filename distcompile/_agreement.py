@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from . import _torch_compat as compat
-from ._store import StoreTimeout, Verdict, agree, answered_within, counted, digest
+from ._store import StoreTimeout, Verdict, agree, answered_within, counted, digest, last_to_arrive
 from .errors import DesyncError
 
 __all__ = [
@@ -159,7 +159,7 @@ def compile_together(
     same_as_first = first.partition(" ")[0] == mine
     if not same_as_first:
         s.add(f"{key}/ndiffer", 1)
-    if s.add(f"{key}/n", 1) == len(ranks):
+    if last_to_arrive(s, key, len(ranks)):
         s.compare_set(f"{key}/decision", "", "together")
     deadline, poll = time.monotonic() + wait_s, 0.005
     while True:  # one key, polled (backing off to 0.1 s): the decision

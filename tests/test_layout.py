@@ -165,7 +165,9 @@ def test_compile_stays_a_local_compiler() -> None:
     lines = sum(len(p.read_text().splitlines()) for p in (ROOT / "compile").glob("*.py"))
     assert lines < MAX_COMPILE_LINES, f"compile/ is {lines} lines"
     for path in (ROOT / "compile").glob("*.py"):
-        assert not any(m.startswith("distcompile.fleet") for m in _runtime_imports(path, type_only=True)), path
+        assert not any(m.startswith("distcompile.fleet") for m in _runtime_imports(path, type_only=True)), (
+            path
+        )
 
 
 def test_every_package_says_what_it_owns() -> None:

@@ -30,7 +30,7 @@ from distcompile._agreement import (
     mark_failed,
     ranks_at,
 )
-from distcompile._store import StoreTimeout, agree, barrier, counted, gather_small
+from distcompile._store import StoreTimeout, agree, barrier, counted, gather, gather_small
 
 
 class _Counting:
@@ -86,6 +86,44 @@ def test_agree_compares_digests_in_a_bounded_number_of_operations() -> None:
     assert max(ops) <= 6, (
         ops
     )  # here, compare_set, add, wait(done), add(ndiffer); the first rank also sets its text
+
+
+def test_gather_brings_any_text_and_names_a_rank_that_never_reports() -> None:
+    """doctor's exchange: every rank's report, whatever characters it holds; a rank that never
+    reports is None after the timeout instead of a hang."""
+    store = counted(dist.HashStore(), "test-gather")
+    report = '{"error": "a=b; c"}'
+    start = time.monotonic()
+    found = gather(store, "doctor/eager", report, rank=0, ranks=[0, 1], timeout_s=0.5)
+    assert found == {0: report, 1: None}
+    assert time.monotonic() - start < 10
+
+
+def test_no_module_counts_its_own_arrivals() -> None:
+    """One store protocol: counting ranks in (``add(key, 1) == n``) goes through ``_store``'s
+    helpers (``last_to_arrive``, ``barrier``), which the control-plane counters see."""
+    import ast
+    import pathlib
+
+    import distcompile
+
+    root = pathlib.Path(distcompile.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "_store.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Compare)
+                and isinstance(node.left, ast.Call)
+                and isinstance(node.left.func, ast.Attribute)
+                and node.left.func.attr == "add"
+                and len(node.left.args) == 2
+                and isinstance(node.left.args[1], ast.Constant)
+                and node.left.args[1].value == 1
+            ):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not found, f"arrivals counted outside _store: {found}"
 
 
 def test_first_rank_says_gives_every_rank_its_text_in_one_operation() -> None:

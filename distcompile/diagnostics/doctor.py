@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .._agreement import default_store
 from .._config import BACKENDS
 from .._log import enable_progress
+from .._store import counted, gather
 from ..capture.regions import has_repeated_blocks
 from ..errors import ConfigError, UnsupportedModelError
 from ..runtime.checkpoint import rng_state
@@ -132,15 +133,21 @@ def _detail(r: StageResult) -> str:
 def _exchange(
     store: dist.Store, key: str, mine: StageResult, world: int, timeout_s: float
 ) -> list[StageResult]:
-    store.set(f"{key}/{mine.rank}", json.dumps(asdict(mine)))
+    found = gather(
+        counted(store, "doctor"),
+        key,
+        json.dumps(asdict(mine)),
+        rank=mine.rank,
+        ranks=range(world),
+        timeout_s=timeout_s,
+    )
     out = []
-    for r in range(world):
-        try:
-            store.wait([f"{key}/{r}"], timedelta(seconds=timeout_s))
-            out.append(StageResult(**json.loads(store.get(f"{key}/{r}"))))
-        except Exception:  # noqa: BLE001 - a timeout: the rank died or hangs
+    for r, text in found.items():
+        if text is None:
             msg = f"rank {r} did not report within {timeout_s:.0f} s (died or hung)"
             out.append(StageResult(stage=mine.stage, rank=r, status="missing", error=msg, summary=msg))
+        else:
+            out.append(StageResult(**json.loads(text)))
     return out
 
 

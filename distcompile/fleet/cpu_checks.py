@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 
 from .. import _torch_compat as compat
-from .._store import CountedStore
+from .._store import CountedStore, last_to_arrive
 from ..compile.jobs import assign
 from . import transfer
 
@@ -60,7 +60,7 @@ def share_cpu_checks(
                 _install_share(store, prefix, rank, peer, wait)
         finally:
             store.set(f"{prefix}/installed/{rank}", "1")
-        if owner and store.add(f"{prefix}/leaders_done", 1) == len({folders[r] for r in sharers}):
+        if owner and last_to_arrive(store, f"{prefix}/leaders_done", len({folders[r] for r in sharers})):
             for peer in sorted(set(owner)):  # the last leader: nobody reads them any more
                 transfer.delete(store, f"{prefix}/{peer}")
     for i in range(len(checks)):

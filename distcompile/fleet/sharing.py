@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import _torch_compat as compat
-from .._store import CountedStore, counted
+from .._store import CountedStore, counted, last_to_arrive
 from ..compile.cpu_checks import run_cpu_checks, runs_on_cpu
 from ..compile.jobs import CompileJob
 from . import transfer, tree
@@ -277,7 +277,7 @@ class CompileSharing:
                 self._load_from(store, lead, graph)
         finally:
             store.set(installed, "1")  # loaded or not: the folder's ranks compile what is missing
-        if not by_tree and store.add(f"{self.prefix}/{graph}/art/fetched", 1) == plan.fetchers:
+        if not by_tree and last_to_arrive(store, f"{self.prefix}/{graph}/art/fetched", plan.fetchers):
             for lead in plan.publishers:
                 transfer.delete(store, f"{self.prefix}/{graph}/art/{lead}")
 
