@@ -293,6 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--payload-kb", type=float, default=1024.0, help="one piece's compiled bytes (sharing)")
     p.add_argument("--out", default="", help="write OUT.json (and print the table)")
     args = p.parse_args(argv)
+    if args.out:  # the folder exists before the run, not found missing after it
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     results = {}
     print(
         f"{'ranks':>6} {'phase':<10} {'wall s':>8} {'ops/rank':>9} {'kB/rank':>9} {'MB total':>9} "

@@ -60,7 +60,9 @@ class BackwardDonation:
             >>> BackwardDonation(None, lazy=False).donates(first_backward=True)  # outside a backward
             False
         """
-        if not torch._functorch.config.donated_buffer:
+        from torch._functorch import config as functorch_config  # not imported by `import torch`
+
+        if not functorch_config.donated_buffer:
             return False
         if self.meta is None:  # loaded: what it was compiled for is read from the running graph
             return bool(donating_backwards_upstream())

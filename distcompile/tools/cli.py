@@ -68,10 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     if argv is None:
         argv = sys.argv[1:]
-    if argv[:1] == ["bench"] and "--chaos" in argv:
-        from .chaos.run import main as chaos_main
-
-        return chaos_main([a for a in argv[1:] if a != "--chaos"])
     if argv[:1] == ["bench"]:
         from .bench.parent import main as bench_main
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.chaos.figures import figures
+from benchmarks.chaos.monitor import Monitor
+from benchmarks.chaos.schedule import KINDS, RESTARTING, make_schedule, steps_needed
 from distcompile import _events
 from distcompile.tools.bench.netns import can_make_namespaces
-from distcompile.tools.chaos.figures import figures
-from distcompile.tools.chaos.monitor import Monitor
-from distcompile.tools.chaos.schedule import KINDS, RESTARTING, make_schedule, steps_needed
 from tests.harness import child_env
 
 
@@ -129,7 +129,14 @@ def test_short_chaos_run_loses_nothing(tmp_path: Path) -> None:
     reason = can_make_namespaces()
     if reason:
         pytest.skip(f"cannot create network namespaces here: {reason}")
-    cmd = [sys.executable, "-m", "distcompile.tools.chaos", "--nodes", "2", "--ranks-per-node", "2"]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).parents[2] / "benchmarks" / "run_chaos.py"),
+        "--nodes",
+        "2",
+        "--ranks-per-node",
+        "2",
+    ]
     cmd += ["--faults", "6", "--long-stall", "10", "--out-dir", str(tmp_path), "--name", "chaos"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=child_env())
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]

@@ -139,3 +139,31 @@ def test_the_demos_compile_sharing_wait_prints_no_c10d_lines(tmp_path: Path) -> 
         if "socket.cpp" in line or "waitForInput" in line
     ]
     assert not noisy, noisy[:5]
+
+
+@pytest.mark.parametrize("flag", ["--chaos", "--control-plane"])
+def test_checkout_harnesses_are_not_subcommands(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The installed package ships what users run: the chaos run and the control-plane
+    simulator live in the checkout's benchmarks/, and the old flags say where."""
+    from distcompile.tools.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", flag])
+    assert "python benchmarks/" in capsys.readouterr().err
+
+
+def test_the_package_reaches_nothing_outside_itself() -> None:
+    """No module of the installed package finds files of a checkout by walking up from its own
+    folder (``os.pardir``): from a wheel there is nothing there."""
+    import ast
+
+    import distcompile
+
+    root = Path(distcompile.__file__).parent
+    found = [
+        f"{path.relative_to(root)}:{node.lineno}"
+        for path in sorted(root.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr == "pardir"
+    ]
+    assert not found, f"modules reaching outside the package: {found}"

@@ -24,7 +24,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 
 from .netns import can_make_namespaces, star, veth_pair
@@ -289,14 +288,7 @@ def _add_modes(p: argparse.ArgumentParser) -> None:
         "shared between the folders, or not) against one shared folder, cold, and at a restart with one "
         "folder emptied against both warm",
     )
-    p.add_argument("--control-plane", action="store_true", help="instead: the store protocols at --ranks")
     p.add_argument("--host-overhead", action="store_true", help="instead: host time per step (its own -h)")
-    p.add_argument(
-        "--chaos",
-        action="store_true",
-        help="instead: the chaos run (its own options: distcompile bench --chaos -h)",
-    )
-    p.add_argument("--ranks", default="2,8,64,256,1024", help="simulated job sizes of --control-plane")
 
 
 def _variant_names(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
@@ -318,13 +310,20 @@ def _variant_names(p: argparse.ArgumentParser, args: argparse.Namespace) -> list
     return names
 
 
-def _control_plane(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    # A standalone script, so that it can measure any checkout's protocols (PYTHONPATH).
-    script = os.path.join(os.path.dirname(__file__), *[os.pardir] * 3, "benchmarks", "control_plane.py")
-    if not os.path.exists(script):
-        p.error("--control-plane runs benchmarks/control_plane.py, which only a checkout of distcompile has")
-    out = os.path.join(args.out_dir, f"{time.strftime('%Y-%m-%d')}-control-plane")
-    return subprocess.call([sys.executable, script, "--ranks", args.ranks, "--out", out])
+def _refuse_moved(p: argparse.ArgumentParser, given: list[str]) -> None:
+    """Harnesses of the checkout, not of the installed package: say where each went."""
+    moved = {"--chaos": "benchmarks/run_chaos.py", "--control-plane": "benchmarks/control_plane.py"}
+    for flag, script in moved.items():
+        if flag in given:
+            p.error(f"{flag} is not part of the installed package: from a checkout, run python {script}")
+
+
+def _refuse_moved(p: argparse.ArgumentParser, given: list[str]) -> None:
+    """Harnesses of the checkout, not of the installed package: say where each went."""
+    moved = {"--chaos": "benchmarks/run_chaos.py", "--control-plane": "benchmarks/control_plane.py"}
+    for flag, script in moved.items():
+        if flag in given:
+            p.error(f"{flag} is not in the installed package: from a checkout, run python {script}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,14 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     Example:
         >>> # python benchmarks/overlap.py --link 1gbit      # or: distcompile bench --link 1gbit
     """
-    if "--host-overhead" in (sys.argv[1:] if argv is None else argv):
+    given = sys.argv[1:] if argv is None else argv
+    if "--host-overhead" in given:
         from .host import main as host_main  # its own options
 
         return host_main(argv)
     p = _parser()
+    _refuse_moved(p, given)
     args = p.parse_args(argv)
-    if args.control_plane:
-        return _control_plane(p, args)
     names = _variant_names(p, args)
     if not args.worker:
         _check_device(p, args, names)

@@ -1,4 +1,4 @@
-"""``distcompile bench --chaos``: a seeded chaos run against an uninterrupted run of the same job.
+"""``python benchmarks/run_chaos.py``: a seeded chaos run against an uninterrupted run of the same job.
 
 Both jobs train the example GPT (``examples/train_gpt.py``, Inductor, checkpoints) on the
 same simulated cluster: ``--nodes`` network namespaces on one switch, ``--ranks-per-node``
@@ -20,8 +20,9 @@ import tempfile
 import time
 import uuid
 
-from ..bench.netns import can_make_namespaces, star
-from ..bench.report import write_results
+from distcompile.tools.bench.netns import can_make_namespaces, star
+from distcompile.tools.bench.report import write_results
+
 from .faults import HANG_S, Injector, orphans, stop_everything
 from .figures import figures, markdown
 from .job import Job, digests
@@ -32,7 +33,7 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="distcompile bench --chaos", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/run_chaos.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--faults", type=int, default=20, help="faults to inject (at least one of each kind: 6)")
     p.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
     p.add_argument("--nodes", type=int, default=4, help="simulated nodes (network namespaces)")
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the chaos benchmark; 0 when every fault was survived and nothing was lost.
 
     Example:
-        >>> # distcompile bench --chaos --faults 20 --seed 0        # 4 nodes x 2 ranks
+        >>> # python benchmarks/run_chaos.py --faults 20 --seed 0        # 4 nodes x 2 ranks
     """
     args = _parser().parse_args(argv)
     reason = can_make_namespaces()
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{os.cpu_count()} CPUs, {platform.platform()}",
         "versions": f"torch {torch.__version__}, Python {platform.python_version()}",
         "topology": f"{args.nodes} nodes (network namespaces on one switch, unshaped) x {args.ranks_per_node} ranks, gloo",
-        "command": "distcompile bench --chaos " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/run_chaos.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "seed": args.seed,
         "steps": steps,
         "wall_s": round(time.time() - t0, 1),

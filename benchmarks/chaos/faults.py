@@ -19,7 +19,8 @@ import re
 import signal
 import time
 
-from ...runtime.checkpoint import latest_checkpoint
+from distcompile.runtime.checkpoint import latest_checkpoint
+
 from .inject import empty_folder, kill, kill_during_write, link_fault, processes, signal_all
 from .job import Job
 from .monitor import Monitor

@@ -1,4 +1,7 @@
-"""The chaos run (``distcompile bench --chaos``): faults injected into a real multi-node job, counted.
+"""The chaos run (``python benchmarks/run_chaos.py``): faults injected into a real multi-node job, counted.
+
+A harness of the checkout, not of the installed package: it drives ``launchers/`` and
+``examples/``, which only a checkout has.
 
 - ``schedule.py``: the seeded fault schedule (pure).
 - ``inject.py``: the faults done to processes, links and folders.
@@ -7,7 +10,7 @@
 - ``faults.py``: each fault and the recovery from it, measured (Note [Chaos run]).
 - ``figures.py``: the figures and the report.
 - ``run.py``: the command: an uninterrupted job, the chaos job, the comparison.
-- ``__main__.py``: ``python -m distcompile.tools.chaos``.
+- ``__main__.py``: ``python -m benchmarks.chaos``.
 """
 
 __all__: list[str] = []

@@ -17,13 +17,14 @@ __all__ = ["Job", "checkout_root", "digests"]
 
 
 def checkout_root() -> str:
-    """The distcompile checkout this package runs from (it holds ``launchers/`` and ``examples/``).
+    """The distcompile checkout this harness lives in (``benchmarks/chaos``; it holds ``launchers/``
+    and ``examples/``).
 
     Example:
         >>> os.path.isdir(os.path.join(checkout_root(), "distcompile"))
         True
     """
-    return os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))
+    return os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 2))
 
 
 def digests(text: str) -> dict[int, str]:

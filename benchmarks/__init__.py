@@ -1,0 +1,1 @@
+"""Benchmarks and harnesses of the checkout (not shipped with the package); see README.md."""
