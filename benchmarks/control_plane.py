@@ -1,6 +1,6 @@
 """What distcompile's control plane costs at N ranks: the real protocols, simulated ranks, one real store.
 
-Run (``distcompile bench --control-plane`` runs the same):
+Run from a checkout (the simulator is not part of the installed package):
     python benchmarks/control_plane.py --ranks 2,8,64,256,1024 --summary-kb 16 \
         --out benchmarks/results/2026-11-26-control-plane
 
