@@ -11,5 +11,5 @@ leaves; never ``compile``, ``runtime``, ``telemetry``.
 - ``guards.py``: failed guards of a recompile, condensed for a person to read.
 - ``blocks.py``: the repeated blocks of a captured graph (the layers of a transformer).
 - ``regions.py``: repeated blocks traced once as nested compile regions, inlined back.
-- ``likeness.py``: which blocks are alike enough to share a region.
+- ``block_likeness.py``: which blocks are alike enough to share a region.
 """

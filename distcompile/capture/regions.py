@@ -47,7 +47,7 @@ from collections.abc import Callable
 import torch
 from torch import fx, nn
 
-from .likeness import describe_difference, likeness_key
+from .block_likeness import describe_difference, likeness_key
 
 __all__ = [
     "RegionNotInlined",

@@ -6,7 +6,7 @@ only through the small interfaces it is given (``backend.BucketRegistry``,
 
 - ``backend.py``: the TorchDynamo backend, a numbered recipe of capture, plan, agreement,
   split, compile, register.
-- ``lockstep.py``: which compiles the ranks do together, and what must agree.
+- ``ranks_together.py``: which compiles the ranks do together, and what must agree.
 - ``pricing.py``: a graph's compute and wire costs for ``bucket_cap_mb="auto"``.
 - ``segments.py``: splitting the graph at the planned boundaries, compiling each piece.
 - ``reuse.py``: which pieces are interchangeable, so one compiled piece serves them all.

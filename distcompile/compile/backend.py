@@ -41,8 +41,8 @@ from ..planning.plan import Plan, plan_graph
 from ..planning.split import SplitPlan, split_shared
 from .failures import compile_failure, dynamo_fallback
 from .jobs import SharedCompiles
-from .lockstep import Lockstep
 from .pricing import graph_costs, planned_by
+from .ranks_together import Lockstep
 from .record import GraphRecord
 from .segments import inner_compiler, split_and_compile
 from .wrappers import AsCaptured, divert_parts, recording

@@ -16,7 +16,7 @@ Algorithm
     (and any earlier accumulation) put in ``.grad``; once it is written the parts are
     added. When the first-use segment only looks rows up (``nn.Embedding``), that rest is
     nonzero only on the rows seen in the step: the parameter's bucket reduces just the
-    rows some rank touched, when that is cheaper (``runtime/rows.py``).
+    rows some rank touched, when that is cheaper (``runtime/row_buckets.py``).
 
 Notes
     Pure: plan and node descriptions in, parts and groups out. The same on every rank.

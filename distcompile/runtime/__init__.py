@@ -9,15 +9,15 @@ May import ``compile``, ``capture``, ``planning`` and the leaves. It never impor
 - ``model_watch.py``: parameters and buffers that change after ``wrap`` (replaced, unfrozen,
   materialized from the meta device), found and agreed across ranks.
 - ``ddp.py``: adopting the DDP model's options, checked across ranks.
-- ``surface.py``: DDP's own API on it (communication hooks, ``Join``, the rest).
+- ``ddp_api.py``: DDP's own API on it (communication hooks, ``Join``, the rest).
 - ``nesting.py``: data-parallel wrappers in the wrong place, as errors.
 - ``reducer.py``: the bucketed all-reduce of a synchronized step.
 - ``layout.py``: which buckets a step's gradients travel in (frozen or not), cached.
 - ``schedule.py``: a step's buckets in launch order, from the graphs that ran.
 - ``bucket.py``: one flat bucket: buffer, used flags, launch, write.
-- ``rows.py``: an embedding table reduced by the rows looked up.
+- ``row_buckets.py``: an embedding table reduced by the rows looked up.
 - ``sparse.py``: sparse gradients, reduced apart.
-- ``parts.py``: the parts of shared parameters, on the reducer's side.
+- ``shared_weights.py``: the parts of shared parameters, on the reducer's side.
 - ``writeback.py``: reduced gradients waited for and written back, in launch order (an object
   the reducer holds).
 - ``graph_memory.py``: no ``.grad`` left in CUDA-graph memory.

@@ -19,9 +19,9 @@ import torch
 from ..errors import ConfigError
 from ..planning.plan import Plan
 from ..planning.split import SplitPlan
-from .parts import SharedParts
-from .rows import RowBucket
+from .row_buckets import RowBucket
 from .schedule import ReduceBucket, build_schedule, claimed_by, layout_groups, static_groups
+from .shared_weights import SharedParts
 
 __all__ = ["BucketForm", "Layouts"]
 
@@ -101,7 +101,7 @@ class Layouts:
 
     def begin_step(self) -> None:
         """A synchronized step opens: note the row-reduced tables that hold a gradient already
-        (their rows are not bounded by the step's lookups: ``runtime/rows.py``)."""
+        (their rows are not bounded by the step's lookups: ``runtime/row_buckets.py``)."""
         self._accumulated = {k for k in self.parts.row_ids() if self.params_by_id[k].grad is not None}
 
     def schedule(self, graphs: tuple[int, ...], form: BucketForm) -> tuple[list[ReduceBucket], dict]:

@@ -23,13 +23,13 @@ from ..errors import DistCompileError, UnsupportedModelError
 from . import shutdown
 from .collectives import broadcast_coalesced
 from .ddp import Settings
+from .ddp_api import DDPSurface
 from .forward_check import ForwardCheck
 from .join import join_enabled, notify_join, sync_flag, take_last_joiner_state
 from .model_build import ModelBuild
 from .model_watch import ModelWatch
 from .nesting import WRAPPERS, outer_data_parallel
 from .reducer import StepObserver, StepStats
-from .surface import DDPSurface
 from .verify import StepCheck
 
 __all__ = ["DistCompiledModule", "Observer"]
@@ -71,7 +71,7 @@ class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):
     """A model compiled by :func:`distcompile.wrap`; use it as you would the DDP model.
 
     ``state_dict()`` keys carry the ``module.`` prefix, as DDP's do. DDP's own API works on it
-    (``no_sync``, ``register_comm_hook``, ``join`` and ``Join([model])``: ``runtime/surface.py``).
+    (``no_sync``, ``register_comm_hook``, ``join`` and ``Join([model])``: ``runtime/ddp_api.py``).
 
     Attributes:
         module: The wrapped (inner) model.

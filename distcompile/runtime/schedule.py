@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .bucket import FlatBucket
-from .rows import ROWS_MIN_BYTES, RowBucket
+from .row_buckets import ROWS_MIN_BYTES, RowBucket
 from .sparse import SparseBucket
 from .stats import StepStats
 
@@ -120,7 +120,7 @@ def build_schedule(
     """The step's buckets in launch order: one flat bucket per group and dtype, one sparse
     bucket per parameter with a sparse gradient (``sparse``: their ``id``), one row bucket
     per embedding table reduced by rows (``rows``: their ``id`` -> the indices a step looks up
-    in it on each rank, 0 if not known; ``runtime/rows.py``).
+    in it on each rank, 0 if not known; ``runtime/row_buckets.py``).
     ``fresh_grads``: flat buckets write new ``.grad`` tensors over any they did not make
     (Note [Gradients in CUDA-graph memory]).
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from .bucket import FlatBucket, Peers, comm_error, raise_if_nonfinite
 from .hooks import HookChain
 from .optim_in_backward import OptimizersInBackward
-from .parts import SharedParts
 from .schedule import OpenStep, ReduceBucket
+from .shared_weights import SharedParts
 from .stats import StepObserver
 
 __all__ = ["WriteBack"]

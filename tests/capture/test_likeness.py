@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from distcompile.capture.likeness import describe_difference, likeness_key
+from distcompile.capture.block_likeness import describe_difference, likeness_key
 from distcompile.capture.regions import mark_repeated_blocks
 from tests import workers
 from tests.harness import run_ranks

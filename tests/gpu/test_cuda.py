@@ -80,7 +80,7 @@ def test_no_host_sync_in_a_steady_state_step(
     nccl_world_of_one, tmp_path, telemetry: bool, vocab: int
 ) -> None:
     # With telemetry on too: its CUDA events are read only once the GPU has passed them. With
-    # a 2 MiB tied table: reduced by rows, sized at build time (runtime/rows.py).
+    # a 2 MiB tied table: reduced by rows, sized at build time (runtime/row_buckets.py).
     cfg = GPTConfig(n_layer=2, n_embd=64, vocab_size=vocab)
     torch.manual_seed(0)
     model = distcompile.wrap(

@@ -21,7 +21,7 @@ import torch
 
 from ..planning.plan import Plan
 from ..planning.split import SplitPlan
-from .rows import DENSE_FOR, RowBucket
+from .row_buckets import DENSE_FOR, RowBucket
 
 __all__ = ["SharedParts"]
 
