@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -22,15 +21,12 @@ from .._store import counted, gather
 from ..capture.regions import has_repeated_blocks
 from ..errors import ConfigError, UnsupportedModelError
 from ..runtime.checkpoint import rng_state
+from ..runtime.collectives import agreed_token, group_device
 from ._ladder import Ladder, StageResult, compare
 
 __all__ = ["doctor", "DoctorReport", "StageResult"]
 
 log = logging.getLogger(__name__)
-#: Store keys of each doctor run: a per-process counter, so every rank must call doctor the
-#: same number of times, in the same order (it is a collective).
-_doctor_ids = itertools.count()
-
 #: Where the first failing stage points, and what to train with meanwhile.
 _MEANING = {
     "eager": (
@@ -208,7 +204,10 @@ def doctor(
         raise ConfigError(f"doctor(steps={steps!r}) must train at least 1 step.")
     rank, world = dist.get_rank(), dist.get_world_size()
     store = default_store()
-    key = f"distcompile/doctor{next(_doctor_ids)}"
+    # The run's store keys: drawn by rank 0 for this run (doctor is a collective), not counted
+    # per process, so that earlier calls on one rank cannot shift another rank's keys.
+    token = agreed_token(src=0, group=None, device=group_device(None, list(inner.parameters())))
+    key = f"distcompile/doctor/{token:016x}"
     enable_progress(rank=rank, first_rank=rank == 0)
     lad = Ladder(
         copy.deepcopy(inner),
