@@ -204,8 +204,7 @@ def doctor(
         raise ConfigError(f"doctor(steps={steps!r}) must train at least 1 step.")
     rank, world = dist.get_rank(), dist.get_world_size()
     store = default_store()
-    # The run's store keys: drawn by rank 0 for this run (doctor is a collective), not counted
-    # per process, so that earlier calls on one rank cannot shift another rank's keys.
+    # Keys drawn for this run (a collective), not counted per process: ranks cannot drift apart.
     token = agreed_token(src=0, group=None, device=group_device(None, list(inner.parameters())))
     key = f"distcompile/doctor/{token:016x}"
     enable_progress(rank=rank, first_rank=rank == 0)
