@@ -54,7 +54,14 @@ def test_ranks_whose_last_line_is_a_collective_exit_cleanly(tmp_path: Path) -> N
             for rank in (0, 1)
         ]
         for rank, p in enumerate(procs):
-            out, err = p.communicate(timeout=300)
+            try:
+                out, err = p.communicate(timeout=300)
+            except subprocess.TimeoutExpired:  # say what the other rank printed, not just "timeout"
+                for q in procs:
+                    q.kill()
+                others = [q.communicate()[1][-1500:] for q in procs]
+                failures.append(f"run {run} rank {rank}: no exit in 300 s; stderr of the ranks: {others}")
+                break
             if p.returncode != 0:
                 failures.append(f"run {run} rank {rank}: exit {p.returncode}: {err[-500:]}")
     assert not failures, "\n".join(failures)
