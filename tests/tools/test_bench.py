@@ -87,17 +87,24 @@ def test_opt_in_variants_run_on_cpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_cuda_mode_without_a_gpu_is_refused_with_the_fix(tmp_path: Path) -> None:
-    proc = _bench(tmp_path, "--device", "cuda", "--small", timeout=120)
-    assert (
-        proc.returncode == 2 and "no CUDA GPU found" in proc.stderr and "Run without --device" in proc.stderr
-    )
-    proc = _bench(tmp_path, "--small", "--variants", "ddp,dc_cudagraphs", timeout=120)
-    assert proc.returncode == 2 and "need CUDA graphs" in proc.stderr and "--device cuda" in proc.stderr
-    proc = _bench(tmp_path, "--small", "--ranks-per-gpu", "2", timeout=120)
-    assert proc.returncode == 2 and "--ranks-per-gpu places ranks on GPUs" in proc.stderr
-    proc = _bench(tmp_path, "--device", "cuda", "--small", "--ranks-per-gpu", "2", timeout=120)
-    assert proc.returncode == 2 and "no CUDA GPU found" in proc.stderr
+def test_cuda_mode_without_a_gpu_is_refused_with_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused by the parser, before any rank starts (in this process: the parent's checks)."""
+    from distcompile.tools.bench.parent import main
+
+    def refusal(*args: str) -> str:
+        with pytest.raises(SystemExit) as exit_:
+            main([*args, "--out-dir", str(tmp_path)])
+        assert exit_.value.code == 2
+        return capsys.readouterr().err
+
+    err = refusal("--device", "cuda", "--small")
+    assert "no CUDA GPU found" in err and "Run without --device" in err
+    err = refusal("--small", "--variants", "ddp,dc_cudagraphs")
+    assert "need CUDA graphs" in err and "--device cuda" in err
+    assert "--ranks-per-gpu places ranks on GPUs" in refusal("--small", "--ranks-per-gpu", "2")
+    assert "no CUDA GPU found" in refusal("--device", "cuda", "--small", "--ranks-per-gpu", "2")
     assert not list(tmp_path.glob("*.json"))
 
 
