@@ -152,7 +152,11 @@ class PendingStep:
     def resolve(self, clock: Clock) -> list[Span]:
         """The spans in host seconds (host origin plus device time since the origin mark)."""
         assert self.origin is not None
-        at: Callable[[Mark], float] = lambda m: self.host_origin + clock.seconds(self.origin, m)  # noqa: E731
+        if clock.lazy:
+            at: Callable[[Mark], float] = lambda m: self.host_origin + clock.seconds(self.origin, m)  # noqa: E731
+        else:  # host marks are host seconds already: a shift (none when the origins are one reading)
+            shift = self.host_origin - float(self.origin)  # type: ignore[arg-type]
+            at = float if shift == 0 else lambda m: m + shift  # type: ignore[assignment,operator]
         out, last_comm_end = [], float("-inf")
         for s in self.spans:
             if s.start is None or s.end is None:
@@ -224,13 +228,13 @@ class PendingSteps:
         out = []
         while self._q:
             head = self._q[0]
-            marks = head.marks()
-            must = wait or len(self._q) > self.limit
-            if must:
-                for m in marks:
-                    self.clock.wait(m)
-            elif not all(self.clock.done(m) for m in marks):
-                break
+            if self.clock.lazy:  # host marks are readable at once
+                marks = head.marks()
+                if wait or len(self._q) > self.limit:
+                    for m in marks:
+                        self.clock.wait(m)
+                elif not all(self.clock.done(m) for m in marks):
+                    break
             self._q.popleft()
             out.append((head, head.resolve(self.clock) if head.origin is not None else []))
         return out

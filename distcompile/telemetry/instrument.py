@@ -16,25 +16,33 @@ __all__ = ["instrument"]
 
 
 class Recorder(Protocol):
-    """What instrumenting needs of ``sink.Telemetry``: whether this step records, its clock and timeline."""
+    """What instrumenting needs of ``sink.Telemetry``: whether this step times each segment, its
+    clock and timeline, and ``poll`` (ends the spans of all-reduces seen done: Note [Polled ends
+    on CPU])."""
 
-    recording: bool
+    timing: bool
     clock: Clock
     timeline: StepTimeline
 
+    def poll(self) -> None: ...
+
+
+def _grad_node(out: object) -> object:
+    """The autograd node of the first output that has one (a piece returns a tensor or a tuple)."""
+    leaves = (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else None
+    if leaves is None or not all(isinstance(t, torch.Tensor) for t in leaves):
+        leaves = compat.tree_leaves(out)
+    return next((t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn), None)
+
 
 def _timed_call(fn: Callable, args: tuple, telemetry: Recorder, label: str) -> object:
-    if not telemetry.recording:
+    if not telemetry.timing:
         return fn(*args)
     clock, timeline = telemetry.clock, telemetry.timeline
-    fwd = PendingSpan("compute", f"{label} fwd", clock.mark(), None)
+    start = clock.mark()
     out = fn(*args)
-    fwd.end = clock.mark()
-    timeline.add(fwd)
-    node = next(
-        (t.grad_fn for t in compat.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn),
-        None,
-    )
+    timeline.add(PendingSpan("compute", f"{label} fwd", start, clock.mark()))
+    node = _grad_node(out)
     if node is not None:
         # The piece's backward is one autograd node (under AOTAutograd); its pre- and
         # post-hooks bracket the segment's backward without touching any tensor. The
@@ -49,6 +57,7 @@ def _timed_call(fn: Callable, args: tuple, telemetry: Recorder, label: str) -> o
             if bwd.start is None:
                 bwd.start = bwd.end
             timeline.add(bwd)
+            telemetry.poll()
 
         node.register_prehook(started)
         node.register_hook(finished)

@@ -2,10 +2,29 @@
 
 Everything here runs only when ``wrap(..., logdir=...)`` is given; without it the engine
 installs no timers and no hooks for telemetry.
+
+Note [Polled ends on CPU]
+    On CPU an all-reduce ends on gloo's thread. A Python callback there (``future.then``)
+    must take the interpreter lock from the training thread, which keeps it until its
+    switch interval: it cost 2.7 ms a step on the host-overhead proxy (15 buckets, 0.18 ms
+    each), and it delayed the end it recorded as much. Instead the training thread ends a
+    span when it first sees the future done: at the end of each segment's backward, at
+    each launch, and when a wait for that bucket returns. An end is so late by at most one
+    segment's backward; a wait, the only time it matters to the exposed figure, is exact.
+    On CUDA the callback stays: it records an event on the stream that waits for NCCL.
+
+Note [Segment spans on CPU]
+    On CPU the training thread computes whenever it is in the step and not waiting for an
+    all-reduce, so the overlap figures need only the waits. Timing each segment (two marks
+    and two autograd hooks a segment and step: 0.9 ms a step on the host-overhead proxy)
+    only names the computation, so it is done in the steps drawn: those whose Chrome trace
+    or TensorBoard picture is written. On CUDA every step times every segment: the
+    computation there is the segments' GPU time.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -75,7 +94,9 @@ class Telemetry:
         self.recompiles = 0
         self.graph_breaks: list[str] = []
         self.last_figures: dict[str, float | None] = {}
-        self._callbacks: list[torch.futures.Future] = []
+        self._in_flight: list[tuple[PendingSpan, torch.futures.Future]] = []  # CPU: not seen done yet
+        self.timing = False  # whether this step times each segment (``instrument``)
+        self._next_step = 0
         self._derived: dict[str, float] = {}
 
     # -- compile side (compile.backend.CompileObserver) ------------------------------------
@@ -131,37 +152,72 @@ class Telemetry:
         w.flush()
 
     # -- step side -----------------------------------------------------------------------
-    @property
-    def recording(self) -> bool:
-        return self.timeline.open
+    def _drawn(self, step: int) -> bool:
+        """Whether step ``step`` may be drawn: a trace, or a picture (it compiled nothing)."""
+        if self.trace_every and step % self.trace_every == 0:
+            return True
+        first = self._first_warm_step
+        return bool(self.writer and self.figure_every) and (
+            first is None or (step - first) % self.figure_every == 0
+        )
 
     def begin_step(self) -> None:
         host = time.perf_counter()
-        self._open = PendingStep(-1, host, self.clock.mark(), serial_comm=self.serial_comm)
+        origin = self.clock.mark() if self.clock.lazy else host  # on CPU: one reading, no shift
+        self._open = PendingStep(-1, host, origin, serial_comm=self.serial_comm)
         self.timeline.begin()
+        # On CUDA the overlap figures need every segment's span; on CPU only a drawn step does
+        # (the thread computes whenever it does not wait: Note [Segment spans on CPU]).
+        self.timing = self.clock.lazy or self._drawn(self._next_step)
         self._compiled_this_step = False
 
     def bucket_launched(self, index: int, nbytes: int, nparams: int, future: torch.futures.Future) -> None:
         # Start: the gradients are in the bucket (on CUDA, the producing stream reached the
-        # launch). End: the future's callback; on CUDA it runs on a stream that waits for
-        # the all-reduce, so an event recorded there marks its end on the GPU.
-        clock, timeline = self.clock, self.timeline
+        # launch). End: on CUDA, the future's callback, which runs on a stream that waits for
+        # the all-reduce, so an event recorded there marks its end on the GPU. On CPU, when
+        # the training thread first sees it done (Note [Polled ends on CPU]).
+        clock = self.clock
         span = PendingSpan("comm", f"bucket {index}", clock.mark(), None, lane=index)
         span.args.update(bytes=nbytes, params=nparams)
+        if clock.lazy:
+            timeline = self.timeline
 
-        def done(fut: object) -> None:
-            span.end = clock.mark()
-            timeline.add(span)
+            def done(fut: object) -> None:
+                span.end = clock.mark()
+                timeline.add(span)
 
-        chained = future.then(done)
-        if not clock.lazy:
-            # A waiter may wake before the callbacks run: end_step waits for them, so that
-            # no span of this step lands in the next one (or nowhere).
-            self._callbacks.append(chained)
+            future.then(done)
+            return
+        self.poll()
+        self._in_flight.append((span, future))
+
+    def poll(self) -> None:
+        """On CPU: end the span of every all-reduce now done (called at each segment's backward
+        end, each launch and each wait; Note [Polled ends on CPU])."""
+        flying = self._in_flight
+        if not flying or not flying[0][1].done():  # they finish in launch order, nearly always
+            return
+        now, left = self.clock.mark(), []
+        for span, future in flying:
+            if future.done():
+                span.end = now
+                self.timeline.add(span)
+            else:
+                left.append((span, future))
+        self._in_flight = left
 
     def waited(self, index: int, start: float, end: float) -> None:
         # Host time: meaningful on CPU only (on CUDA the host does not wait for NCCL).
-        if not self.clock.lazy and end > start:
+        if self.clock.lazy:
+            return
+        for k, (span, _) in enumerate(self._in_flight):
+            if span.lane == index:  # the wait returned: it ended no later than that
+                span.end = end
+                self.timeline.add(span)
+                del self._in_flight[k]
+                break
+        self.poll()
+        if end > start:
             self.timeline.add(PendingSpan("wait", f"wait bucket {index}", start, end))
 
     def _wants_figure(self, step: int, compiled: bool) -> bool:
@@ -182,9 +238,12 @@ class Telemetry:
         """
         step = self._open
         assert step is not None, "end_step without begin_step"
-        for chained in self._callbacks:
-            chained.wait()
-        self._callbacks = []
+        for span, future in self._in_flight:  # every bucket was waited for; a hook's may be left
+            future.wait()
+            span.end = self.clock.mark()
+            self.timeline.add(span)
+        self._in_flight = []
+        self.timing, self._next_step = False, stats.step + 1
         step.step, step.end, step.spans = stats.step, self.clock.mark(), self.timeline.finish()
         step.extra = (stats, self._compiled_this_step)
         self._open = None
@@ -197,31 +256,34 @@ class Telemetry:
             self._derived = self._write_step(stats, compiled, list(spans), step.host_origin)
         return dict(self._derived)
 
-    def _computation(self, spans: list[Span]) -> list[Span]:
-        """``spans`` plus, on CPU, compute spans for the host's work outside compiled segments.
+    def _computation(self, spans: list[Span]) -> tuple[list[Span], list[tuple[float, float]]]:
+        """``spans`` plus, on a drawn CPU step, spans for the host's work outside compiled
+        segments; and the intervals that count as computation for the overlap figures.
 
         On CPU the training thread is the compute engine: inside the step, whenever it is
         not blocked on communication, it computes (eager code, Python, autograd, bucket
         copies, an optimizer in backward). On CUDA only timed segments count.
         """
         step = next((s for s in spans if s.track == "step"), None)
-        if self.clock.lazy or step is None:
-            return spans
         compute = sorted((s for s in spans if s.track == "compute"), key=lambda s: s.start)
+        intervals = [(s.start, s.end) for s in compute]
+        if self.clock.lazy or step is None:
+            return spans, intervals
         waits = [(s.start, s.end) for s in spans if s.track == "wait"]
+        gaps = fill_gaps(intervals, (step.start, step.end), waits)
+        if not compute:  # a step not drawn: no segment timed, no span to name
+            return spans, gaps
+        starts = [s.start for s in compute]
         filled = []
-        for lo, hi in fill_gaps([(s.start, s.end) for s in compute], (step.start, step.end), waits):
-            after = next((s for s in compute if s.start >= hi), None)
-            name = f"eager before {after.name}" if after else "eager after segments"
+        for lo, hi in gaps:
+            k = bisect.bisect_left(starts, hi)  # the first segment starting at or after the gap
+            name = f"eager before {compute[k].name}" if k < len(compute) else "eager after segments"
             filled.append(Span("compute", name, lo, hi, args={"outside": "compiled segments"}))
-        return spans + filled
+        return spans + filled, intervals + gaps
 
     def _write_step(self, stats: StepStats, compiled: bool, spans: list[Span], origin: float) -> dict:
-        spans = self._computation(spans)
-        figures = comm_figures(
-            [(s.start, s.end) for s in spans if s.track == "comm"],
-            [(s.start, s.end) for s in spans if s.track == "compute"],
-        )
+        spans, computing = self._computation(spans)
+        figures = comm_figures([(s.start, s.end) for s in spans if s.track == "comm"], computing)
         derived = {**figures, "timed_step": stats.step}
         self.last_figures = figures
         shown = {k: round(v, 3) for k, v in figures.items() if v is not None}

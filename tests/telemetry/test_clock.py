@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
+import time
+
 import pytest
 import torch
 
@@ -124,3 +127,41 @@ def test_telemetry_on_a_late_clock_reports_the_newest_finished_step(tmp_path) ->
 
 def test_clock_for_cpu_is_the_host_clock() -> None:
     assert isinstance(clock_for(torch.device("cpu")), HostClock)
+
+
+class _NoCallbacks(torch.futures.Future):
+    """An all-reduce's future that fails the test if a Python callback is chained to it."""
+
+    def then(self, callback):  # noqa: ANN001, ANN201
+        raise AssertionError("telemetry chained a Python callback to a CPU all-reduce")
+
+    def add_done_callback(self, callback):  # noqa: ANN001, ANN201
+        raise AssertionError("telemetry chained a Python callback to a CPU all-reduce")
+
+
+def test_cpu_telemetry_polls_all_reduce_ends_and_times_segments_only_in_drawn_steps() -> None:
+    # Note [Polled ends on CPU], Note [Segment spans on CPU]
+    tele = Telemetry(run_dir=None, trace_dir=tempfile.mkdtemp(), rank=0, trace_every=3, figure_every=0)
+    timing = []
+    for k in range(4):
+        tele.begin_step()
+        timing.append(tele.timing)
+        seen, waited = _NoCallbacks(), _NoCallbacks()
+        tele.bucket_launched(0, 8, 1, seen)
+        tele.bucket_launched(1, 8, 1, waited)
+        time.sleep(0.002)  # the backward computes while both are in flight
+        seen.set_result(None)
+        tele.poll()  # a segment's backward ends: bucket 0 is seen done
+        t0 = time.perf_counter()
+        time.sleep(0.001)
+        waited.set_result(None)
+        t1 = time.perf_counter()
+        tele.waited(1, t0, t1)  # bucket 1: ends when its wait returned
+        figures = tele.end_step(StepStats(step=k, fwd_bwd_ms=5.0))
+        assert figures["timed_step"] == k
+        assert figures["exposed_ms"] == pytest.approx(1e3 * (t1 - t0))  # only the wait was exposed
+        assert figures["overlapped_ms"] >= 2.0 and figures["comm_ms"] == pytest.approx(
+            figures["overlapped_ms"] + figures["exposed_ms"]
+        )
+    assert timing == [True, False, False, True]  # traced: steps 0 and 3
+    tele.close()
