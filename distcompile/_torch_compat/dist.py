@@ -20,7 +20,6 @@ __all__ = [
     "ddp_ignored_names",
     "ddp_uses_python_reducer",
     "ddp_optimizer_first_bucket",
-    "copy_all",
     "checkpoint_as_ddp",
     "default_store",
     "restarts_share_agent_store",
@@ -33,7 +32,6 @@ __all__ = [
     "queue_engine_callback",
     "remove_optimizer_in_backward_hooks",
     "tensor_grad_hooks",
-    "tensor_versions",
     "tree_leaves",
     "tree_map_only",
     "write_summary",
@@ -304,18 +302,6 @@ def remove_optimizer_in_backward_hooks(params: list[torch.Tensor]) -> None:
             handles[p] = []
 
 
-def tensor_versions(tensors: list[torch.Tensor]) -> list[int]:
-    """Each tensor's version counter (bumped by every in-place change). Checked: 2.11-2.15 (``_version``).
-
-    Example:
-        >>> t = torch.zeros(1)
-        >>> before = tensor_versions([t]); _ = t.add_(1)
-        >>> tensor_versions([t]) != before
-        True
-    """
-    return [t._version for t in tensors]
-
-
 # -- TensorBoard ------------------------------------------------------------------------------
 def write_summary(writer: Any, summary: Any, step: int) -> None:
     """Write one prebuilt TensorBoard ``Summary`` (many scalars in one event) through ``writer``.
@@ -399,16 +385,3 @@ def ddp_optimizer_first_bucket(nbytes: int) -> Any:
             dist._DEFAULT_FIRST_BUCKET_BYTES = before
 
     return patched()
-
-
-def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``d.copy_(s)`` for each pair, as one ``foreach`` call (one dispatch for a whole bucket).
-
-    Checked: 2.11, 2.13, 2.15 (``torch._foreach_copy_``).
-
-    Example:
-        >>> a, b = [torch.zeros(2)], [torch.ones(2)]
-        >>> copy_all(a, b); a[0].tolist()
-        [1.0, 1.0]
-    """
-    torch._foreach_copy_(dst, src)

@@ -90,6 +90,7 @@ class FlatBucket:
             if self.wire is self.buffer
             else [self.wire[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
         )
+        self._views_and_flags = [*self.wire_views, self.wire[self.numel :]]
         self.ready = [False] * len(self.params)
         self.n_ready = 0
         self.produced: tuple[bool, ...] = ()
@@ -120,8 +121,9 @@ class FlatBucket:
             flags = self._flag_cache[(produced, scale)] = host.to(self.wire.device)
         return flags
 
-    def _fill(self, produced: tuple[bool, ...], scale: float) -> None:
-        """Write ``scale * grad`` of every produced gradient into the wire buffer (zeros elsewhere)."""
+    def _fill(self, produced: tuple[bool, ...], scale: float, flags: torch.Tensor | None = None) -> bool:
+        """Write ``scale * grad`` of every produced gradient into the wire buffer (zeros elsewhere);
+        True if ``flags`` were written after them too (in the same call)."""
         dense = self.wire[: self.numel]
         grads = [p.grad for p in self.params]
         if all(produced):
@@ -134,13 +136,17 @@ class FlatBucket:
             if all(in_bucket):
                 # Gradients live in the bucket (gradient_as_bucket_view): one scale (and cast).
                 torch.mul(self.buffer[: self.numel], scale, out=dense)
-                return
+                return False
             if not any(in_bucket):
-                # One copy (and cast) of all gradients into the bucket, then one scale.
-                torch.cat([g.reshape(-1) for g in grads], out=dense)
+                # One foreach copy (and cast) of all gradients into the bucket, the flags
+                # with them when given, then one scale.
+                if flags is None:
+                    compat.copy_all(self.wire_views, grads)
+                else:
+                    compat.copy_all(self._views_and_flags, [*grads, flags])
                 if scale != 1.0:  # a world of one, or a hook's local gradients
                     dense.mul_(scale)
-                return
+                return flags is not None
         for i, g in enumerate(grads):  # mixed: per parameter
             dst = self.wire_views[i]
             if not produced[i]:
@@ -149,6 +155,7 @@ class FlatBucket:
                 dst.mul_(scale)
             else:
                 torch.mul(g, scale, out=dst)
+        return False
 
     def launch(
         self,
@@ -173,9 +180,10 @@ class FlatBucket:
             self._fill(produced, 1.0)
             self.future = hook.run(self.index, is_last, self.buffer[: self.numel], self.params)
             return self.future
-        self._fill(produced, scale)
-        self.wire[self.numel :].copy_(self._flags(produced, scale))
-        self.work = dist.all_reduce(self.wire, group=group, async_op=True)
+        flags = self._flags(produced, scale)
+        if not self._fill(produced, scale, flags):
+            self.wire[self.numel :].copy_(flags)
+        self.work = compat.start_all_reduce(self.wire, group)
         return self.work.get_future()
 
     def _refuse_sparse(self, produced: tuple[bool, ...]) -> None:
