@@ -13,6 +13,8 @@ from torch.fx.passes.split_module import split_module
 
 import distcompile
 from distcompile import _torch_compat as compat
+from tests import workers
+from tests.harness import run_ranks
 
 ROOT = pathlib.Path(distcompile.__file__).parent
 #: Names bound to torch modules in our sources.
@@ -199,3 +201,10 @@ def test_missing_internal_raises_unsupported_torch_error(monkeypatch: pytest.Mon
         distcompile.UnsupportedTorchError, match=r"torch 2\.\d+.*tested with torch 2\.11 to 2\.15"
     ):
         compat.piece_compiler_base()
+
+
+def test_the_process_groups_own_all_reduce_sums_as_dist_all_reduce() -> None:
+    got = run_ranks(workers.started_all_reduces, 2)
+    factor = 1 + 2  # ranks 0 and 1 scale by 1 and 2
+    want = [[float(i * factor) for i in range(4)], [(1 + 2j) * factor, (3 - 1j) * factor]] * 2
+    assert got == [want, want]

@@ -819,3 +819,18 @@ def telemetry_every_piece(rank: int, world: int, logdir: str) -> dict:
     }
     model.close()
     return out
+
+
+def started_all_reduces(rank: int, world: int) -> list:
+    """``compat.start_all_reduce`` on the default group and on a group of all ranks: real and
+    complex tensors, summed as ``dist.all_reduce`` sums them."""
+    from distcompile import _torch_compat as compat
+
+    out = []
+    for group in (None, dist.new_group(list(range(world)))):
+        real = torch.arange(4, dtype=torch.float32) * (rank + 1)
+        cplx = torch.tensor([1 + 2j, 3 - 1j]) * (rank + 1)
+        for t in (real, cplx):
+            compat.start_all_reduce(t, group).wait()
+            out.append(t.tolist())
+    return out
