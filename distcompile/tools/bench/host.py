@@ -10,7 +10,8 @@ DDP's 25 MiB, a tied embedding large enough to be reduced by rows) and runs in o
 process on a gloo world of one (no peer: the all-reduces return at once). The variants
 are built in the same process and stepped in turn, round after round, so load on the
 machine falls on all of them alike; each reports the median step time over the rounds,
-and, from one more step each, the Python calls (``sys.setprofile``) and the operations
+the same under ``no_sync()`` (the difference is what gradient synchronization costs the
+host: the reducer, and gloo's call per bucket), and, from one more step each, the Python calls (``sys.setprofile``) and the operations
 torch's profiler records (aten operators and compiled graphs' calls; the kernels inside a
 compiled C++ or Triton graph are not separate events on CPU), and for distcompile its
 pieces and buckets.
@@ -76,12 +77,23 @@ def _build(name: str, cfg: GPTConfig, cap_mb: float, logdir: str) -> torch.nn.Mo
     return distcompile.wrap(ddp, backend="inductor", **telemetry)
 
 
-def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: tuple, first_bucket: int = 0) -> float:
+def _step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: tuple,
+    first_bucket: int = 0,
+    *,
+    sync: bool = True,
+) -> float:
     x, y = batch
     t0 = time.perf_counter()
-    with compat.ddp_optimizer_first_bucket(first_bucket) if first_bucket else contextlib.nullcontext():
-        loss = GPT.loss(model(x), y)  # DDPOptimizer plans at its first call: caps of kilobytes
-    loss.backward()
+    with contextlib.ExitStack() as scope:
+        if first_bucket:  # DDPOptimizer plans at its first call: caps of kilobytes
+            scope.enter_context(compat.ddp_optimizer_first_bucket(first_bucket))
+        if not sync:  # the same step with no gradient synchronization: what the reducer costs
+            scope.enter_context(model.no_sync())
+        loss = GPT.loss(model(x), y)
+        loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return time.perf_counter() - t0
@@ -131,11 +143,15 @@ def run_host_overhead(*, rounds: int, block: int, warmup: int, variants: list[st
     first = int(cap_mb * 2**20)
     for n in variants:
         for s in range(warmup):
-            _step(models[n], opts[n], batches[s % len(batches)], first_bucket=first)
+            for sync in (True, False):
+                _step(models[n], opts[n], batches[s % len(batches)], first_bucket=first, sync=sync)
     times: dict[str, list[float]] = {n: [] for n in variants}
+    unsynced: dict[str, list[float]] = {n: [] for n in variants}
     for r in range(rounds):
         for n in variants if r % 2 == 0 else list(reversed(variants)):
-            times[n] += [_step(models[n], opts[n], batches[(r + s) % len(batches)]) for s in range(block)]
+            b = [batches[(r + s) % len(batches)] for s in range(block)]
+            times[n] += [_step(models[n], opts[n], x) for x in b]
+            unsynced[n] += [_step(models[n], opts[n], x, sync=False) for x in b]
         if (r + 1) % max(1, rounds // 4) == 0:
             print(f"[host] round {r + 1}/{rounds}", flush=True)
     figures: dict[str, dict] = {}
@@ -145,6 +161,7 @@ def run_host_overhead(*, rounds: int, block: int, warmup: int, variants: list[st
         row = {
             "description": HOST_VARIANTS[n],
             "median_ms": 1e3 * statistics.median(times[n]),
+            "no_sync_median_ms": 1e3 * statistics.median(unsynced[n]),
             "min_ms": 1e3 * min(times[n]),
             "python_calls": _python_calls(one),
             "profiled_ops": _profiled_ops(one),
@@ -171,14 +188,19 @@ def print_table(result: dict) -> None:
     rows = result["variants"]
     base = rows.get("ddpopt", {}).get("median_ms")
     print(
-        f"\n{'variant':<22} {'median ms':>9} {'vs DDPOpt':>9} {'pieces':>6} {'buckets':>7} {'Py calls':>9} {'ops':>6}"
+        f"\n{'variant':<22} {'median ms':>9} {'vs DDPOpt':>9} {'no_sync ms':>10} {'sync ms':>7} {'pieces':>6} "
+        f"{'buckets':>7} {'Py calls':>9} {'ops':>6}"
     )
     for n, r in rows.items():
         ratio = f"{r['median_ms'] / base:.2f}x" if base else "-"
         print(
-            f"{n:<22} {r['median_ms']:>9.2f} {ratio:>9} {r.get('pieces', '-'):>6} {r.get('buckets', '-'):>7} "
+            f"{n:<22} {r['median_ms']:>9.2f} {ratio:>9} {r['no_sync_median_ms']:>10.2f} "
+            f"{r['median_ms'] - r['no_sync_median_ms']:>7.2f} {r.get('pieces', '-'):>6} {r.get('buckets', '-'):>7} "
             f"{r['python_calls']:>9} {r['profiled_ops']:>6}"
         )
+    print(
+        "sync ms: the median step less the median step under no_sync() (what synchronizing gradients costs the host)"
+    )
     print(f"\n{result['model']}; {result['machine']}; torch {result['torch']}")
 
 

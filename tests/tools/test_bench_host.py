@@ -1,0 +1,25 @@
+"""``distcompile bench --host-overhead`` runs end to end: the CPU proxy's table and JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_host_overhead_mode_writes_each_variants_figures(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "distcompile.tools.cli", "bench", "--host-overhead", "--rounds", "2",
+         "--block", "2", "--warmup", "2", "--variants", "ddp,distcompile_telemetry", "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (path,) = tmp_path.glob("*-host-overhead.json")
+    rows = json.loads(path.read_text())["variants"]
+    assert set(rows) == {"ddp", "distcompile_telemetry"}
+    for row in rows.values():
+        assert row["median_ms"] > 0 and row["no_sync_median_ms"] > 0 and row["python_calls"] > 0, row
+    dc = rows["distcompile_telemetry"]
+    assert dc["pieces"] <= dc["buckets"] + 1, dc  # one piece per bucket (issue 55)
+    assert "sync ms" in out.stdout and "distcompile_telemetry" in out.stdout, out.stdout
