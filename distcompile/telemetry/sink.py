@@ -44,7 +44,12 @@ from .timeline import Span, chrome_trace, comm_figures, fill_gaps
 if TYPE_CHECKING:
     from ..runtime.reducer import StepStats
 
-__all__ = ["Telemetry", "require_extra"]
+__all__ = ["PICTURE_SHARE", "Telemetry", "require_extra"]
+
+#: With ``figure_every=None`` (the default), at most this share of the run's time goes to
+#: drawing TensorBoard pictures (0.1-0.4 s each): after one that took t seconds, the next
+#: is drawn t / PICTURE_SHARE seconds later.
+PICTURE_SHARE = 0.02
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +69,7 @@ class Telemetry:
         trace_dir: str,
         rank: int,
         trace_every: int,
-        figure_every: int,
+        figure_every: int | None,
         device: torch.device | None = None,
         serial_comm: bool = False,
     ) -> None:
@@ -91,6 +96,8 @@ class Telemetry:
         self._compile_spans: list[Span] = []
         self._compiled_this_step = False
         self._first_warm_step: int | None = None
+        self._picture = False  # the open step is to be drawn (``_picture_due``)
+        self._next_picture_at = 0.0
         self.recompiles = 0
         self.graph_breaks: list[str] = []
         self.last_figures: dict[str, float | None] = {}
@@ -152,14 +159,17 @@ class Telemetry:
         w.flush()
 
     # -- step side -----------------------------------------------------------------------
-    def _drawn(self, step: int) -> bool:
-        """Whether step ``step`` may be drawn: a trace, or a picture (it compiled nothing)."""
-        if self.trace_every and step % self.trace_every == 0:
-            return True
+    def _picture_due(self, step: int) -> bool:
+        """Whether step ``step`` is to be drawn as a TensorBoard picture (decided as it begins):
+        every ``figure_every`` steps from the first that compiled nothing; by default
+        (``None``) the first such step, then each step once drawing has taken under
+        ``PICTURE_SHARE`` of the time since the first."""
+        if self.writer is None or self.figure_every == 0:
+            return False
+        if self.figure_every is None:
+            return time.perf_counter() >= self._next_picture_at
         first = self._first_warm_step
-        return bool(self.writer and self.figure_every) and (
-            first is None or (step - first) % self.figure_every == 0
-        )
+        return first is None or (step - first) % self.figure_every == 0
 
     def begin_step(self) -> None:
         host = time.perf_counter()
@@ -168,7 +178,9 @@ class Telemetry:
         self.timeline.begin()
         # On CUDA the overlap figures need every segment's span; on CPU only a drawn step does
         # (the thread computes whenever it does not wait: Note [Segment spans on CPU]).
-        self.timing = self.clock.lazy or self._drawn(self._next_step)
+        k = self._next_step
+        self._picture = self._picture_due(k)
+        self.timing = self.clock.lazy or self._picture or bool(self.trace_every and k % self.trace_every == 0)
         self._compiled_this_step = False
 
     def bucket_launched(self, index: int, nbytes: int, nparams: int, future: torch.futures.Future) -> None:
@@ -220,16 +232,16 @@ class Telemetry:
         if end > start:
             self.timeline.add(PendingSpan("wait", f"wait bucket {index}", start, end))
 
-    def _wants_figure(self, step: int, compiled: bool) -> bool:
+    def _wants_figure(self, step: int, compiled: bool, due: bool) -> bool:
         # A step that compiled (step 0: capture and the lazy backward compile) would show
         # compilation, not training: the first picture is of the first step after warm-up,
         # then every figure_every steps from there. Compile time has its own scalars and
         # the trace's compile track.
-        if not self.figure_every or compiled:
+        if not due or compiled:
             return False
         if self._first_warm_step is None:
             self._first_warm_step = step
-        return (step - self._first_warm_step) % self.figure_every == 0
+        return True
 
     def end_step(self, stats: StepStats) -> dict[str, float]:
         """Queue the step; write every queued step whose times can be read (on CPU: this one).
@@ -245,15 +257,15 @@ class Telemetry:
         self._in_flight = []
         self.timing, self._next_step = False, stats.step + 1
         step.step, step.end, step.spans = stats.step, self.clock.mark(), self.timeline.finish()
-        step.extra = (stats, self._compiled_this_step)
+        step.extra = (stats, self._compiled_this_step, self._picture)
         self._open = None
         self.pending.push(step)
         return self._write_ready(wait=False)
 
     def _write_ready(self, *, wait: bool) -> dict[str, float]:
         for step, spans in self.pending.ready(wait=wait):
-            stats, compiled = step.extra  # type: ignore[misc]
-            self._derived = self._write_step(stats, compiled, list(spans), step.host_origin)
+            stats, compiled, picture = step.extra  # type: ignore[misc]
+            self._derived = self._write_step(stats, compiled, list(spans), step.host_origin, picture)
         return dict(self._derived)
 
     def _computation(self, spans: list[Span]) -> tuple[list[Span], list[tuple[float, float]]]:
@@ -281,7 +293,9 @@ class Telemetry:
             filled.append(Span("compute", name, lo, hi, args={"outside": "compiled segments"}))
         return spans + filled, intervals + gaps
 
-    def _write_step(self, stats: StepStats, compiled: bool, spans: list[Span], origin: float) -> dict:
+    def _write_step(
+        self, stats: StepStats, compiled: bool, spans: list[Span], origin: float, picture: bool = False
+    ) -> dict:
         spans, computing = self._computation(spans)
         figures = comm_figures([(s.start, s.end) for s in spans if s.track == "comm"], computing)
         derived = {**figures, "timed_step": stats.step}
@@ -305,7 +319,8 @@ class Telemetry:
             self._scalars(values, stats.step)
         if self.trace_every and stats.step % self.trace_every == 0:
             self._write_trace(spans, stats.step, origin)
-        if w is not None and self._wants_figure(stats.step, compiled):
+        if w is not None and self._wants_figure(stats.step, compiled, picture):
+            drawing = time.perf_counter()
             pct = figures["overlap_pct"]
             fig = gantt_figure(
                 spans,
@@ -314,6 +329,8 @@ class Telemetry:
                 origin=origin,
             )
             w.add_figure("timeline/step", fig, stats.step, close=True)
+            done = time.perf_counter()
+            self._next_picture_at = done + (done - drawing) / PICTURE_SHARE
         return derived
 
     def _write_trace(self, spans: list[Span], step: int, origin: float) -> None:

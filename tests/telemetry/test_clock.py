@@ -165,3 +165,23 @@ def test_cpu_telemetry_polls_all_reduce_ends_and_times_segments_only_in_drawn_st
         )
     assert timing == [True, False, False, True]  # traced: steps 0 and 3
     tele.close()
+
+
+def test_default_pictures_take_at_most_their_share_of_the_time(tmp_path) -> None:
+    # figure_every=None: the first step after warm-up, then each step once drawing has taken
+    # under PICTURE_SHARE of the time since; an explicit figure_every keeps its cadence.
+    drawn = {}
+    for every in (None, 1):
+        tele = Telemetry(
+            run_dir=str(tmp_path / f"run{every}"), trace_dir=str(tmp_path / "t"), rank=0, trace_every=0,
+            figure_every=every,
+        )  # fmt: skip
+        steps = []
+        for k in range(4):
+            tele.begin_step()
+            steps.append(tele._picture)
+            tele.end_step(StepStats(step=k, fwd_bwd_ms=1.0))
+        drawn[every] = steps
+        tele.close()
+    assert drawn[None] == [True, False, False, False], "drawn at step 0, then not within 50x its cost"
+    assert drawn[1] == [True, True, True, True]
