@@ -40,7 +40,7 @@ def start_all_reduce(
     the same collective (a sum) without the Python wrapper's checks, logging and dispatch,
     about 25 us a call on CPU. For a group this rank belongs to (every reducer's group).
 
-    Checked: 2.11, 2.13, 2.15 (``ProcessGroup.allreduce(tensors)``: default options, a sum).
+    Checked: 2.13, 2.15 (``ProcessGroup.allreduce(tensors)``: default options, a sum).
 
     Example:
         >>> # work = start_all_reduce(bucket, None); work.wait()
