@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.long  # a benchmark run end to end (~20 s), as the other modes' tests
 def test_host_overhead_mode_writes_each_variants_figures(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "distcompile.tools.cli", "bench", "--host-overhead", "--rounds", "2",
