@@ -340,7 +340,9 @@ class Telemetry:
         path = os.path.join(self.trace_dir, f"trace_rank{self.rank}_step{step}.json")
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(chrome_trace(all_spans, rank=self.rank, step=step, origin=first), f)
+            # dumps, not dump: json.dump streams through the pure-Python encoder; dumps uses the
+            # C one (a traced step's writing on the host-overhead proxy: 3.1 -> 2.1 ms).
+            f.write(json.dumps(chrome_trace(all_spans, rank=self.rank, step=step, origin=first)))
         os.replace(tmp, path)  # readers never see a half-written trace
 
     def _scalars(self, values: dict[str, float], step: int) -> None:
