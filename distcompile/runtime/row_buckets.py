@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import _torch_compat as compat
 from .bucket import WIRE_DTYPES, OneParamBucket
 
 __all__ = ["DENSE_FOR", "ROWS_MIN_BYTES", "ROWS_WHEN_BELOW", "RowBucket"]
@@ -107,7 +108,7 @@ class RowBucket(OneParamBucket):
         else:
             sent = self._rows_of(group, grad, bound, scale)
         self._sent = sent
-        self.work = dist.all_reduce(sent, group=group, async_op=True)
+        self.work = compat.start_all_reduce(sent, group)
         return self.work.get_future()
 
     def _rows_of(
@@ -120,7 +121,7 @@ class RowBucket(OneParamBucket):
         if grad is not None:
             touched[:-1] = grad.reshape(p.shape[0], -1).ne(0).any(dim=1)
             touched[-1] = 1.0
-        dist.all_reduce(touched, group=group)
+        compat.start_all_reduce(touched, group).wait()  # blocking: the union sizes the rows sent
         self._flag = touched[-1:]
         found = torch.nonzero_static(touched[:-1] > 0, size=bound, fill_value=p.shape[0]).squeeze(1)
         self._keep = (found < p.shape[0]).unsqueeze(1)
