@@ -176,6 +176,7 @@ class Telemetry:
         origin = self.clock.mark() if self.clock.lazy else host  # on CPU: one reading, no shift
         self._open = PendingStep(-1, host, origin, serial_comm=self.serial_comm)
         self.timeline.begin()
+        self._in_flight = []  # a step that failed mid-way leaves nothing for this one to wait on
         # On CUDA the overlap figures need every segment's span; on CPU only a drawn step does
         # (the thread computes whenever it does not wait: Note [Segment spans on CPU]).
         k = self._next_step
