@@ -121,9 +121,9 @@ class FlatBucket:
             flags = self._flag_cache[(produced, scale)] = host.to(self.wire.device)
         return flags
 
-    def _fill(self, produced: tuple[bool, ...], scale: float, flags: torch.Tensor | None = None) -> bool:
-        """Write ``scale * grad`` of every produced gradient into the wire buffer (zeros elsewhere);
-        True if ``flags`` were written after them too (in the same call)."""
+    def _fill(self, produced: tuple[bool, ...], scale: float, flags: torch.Tensor | None = None) -> None:
+        """Write ``scale * grad`` of every produced gradient into the wire buffer (zeros elsewhere),
+        and ``flags`` after them if given (in the same call where the gradients take one)."""
         dense = self.wire[: self.numel]
         grads = [p.grad for p in self.params]
         if all(produced):
@@ -136,7 +136,8 @@ class FlatBucket:
             if all(in_bucket):
                 # Gradients live in the bucket (gradient_as_bucket_view): one scale (and cast).
                 torch.mul(self.buffer[: self.numel], scale, out=dense)
-                return False
+                self._put_flags(flags)
+                return
             if not any(in_bucket):
                 # One foreach copy (and cast) of all gradients into the bucket, the flags
                 # with them when given, then one scale.
@@ -146,7 +147,7 @@ class FlatBucket:
                     compat.copy_all(self._views_and_flags, [*grads, flags])
                 if scale != 1.0:  # a world of one, or a hook's local gradients
                     dense.mul_(scale)
-                return flags is not None
+                return
         for i, g in enumerate(grads):  # mixed: per parameter
             dst = self.wire_views[i]
             if not produced[i]:
@@ -155,7 +156,11 @@ class FlatBucket:
                 dst.mul_(scale)
             else:
                 torch.mul(g, scale, out=dst)
-        return False
+        self._put_flags(flags)
+
+    def _put_flags(self, flags: torch.Tensor | None) -> None:
+        if flags is not None:
+            self.wire[self.numel :].copy_(flags)
 
     def launch(
         self,
@@ -180,9 +185,7 @@ class FlatBucket:
             self._fill(produced, 1.0)
             self.future = hook.run(self.index, is_last, self.buffer[: self.numel], self.params)
             return self.future
-        flags = self._flags(produced, scale)
-        if not self._fill(produced, scale, flags):
-            self.wire[self.numel :].copy_(flags)
+        self._fill(produced, scale, self._flags(produced, scale))
         self.work = compat.start_all_reduce(self.wire, group)
         return self.work.get_future()
 

@@ -171,6 +171,10 @@ class Telemetry:
         first = self._first_warm_step
         return first is None or (step - first) % self.figure_every == 0
 
+    def _traced(self, step: int) -> bool:
+        """Whether step ``step`` writes a Chrome trace."""
+        return bool(self.trace_every) and step % self.trace_every == 0
+
     def begin_step(self) -> None:
         host = time.perf_counter()
         origin = self.clock.mark() if self.clock.lazy else host  # on CPU: one reading, no shift
@@ -181,7 +185,7 @@ class Telemetry:
         # (the thread computes whenever it does not wait: Note [Segment spans on CPU]).
         k = self._next_step
         self._picture = self._picture_due(k)
-        self.timing = self.clock.lazy or self._picture or bool(self.trace_every and k % self.trace_every == 0)
+        self.timing = self.clock.lazy or self._picture or self._traced(k)
         self._compiled_this_step = False
 
     def bucket_launched(self, index: int, nbytes: int, nparams: int, future: torch.futures.Future) -> None:
@@ -213,11 +217,14 @@ class Telemetry:
         now, left = self.clock.mark(), []
         for span, future in flying:
             if future.done():
-                span.end = now
-                self.timeline.add(span)
+                self._ended(span, now)
             else:
                 left.append((span, future))
         self._in_flight = left
+
+    def _ended(self, span: PendingSpan, at: float) -> None:
+        span.end = at
+        self.timeline.add(span)
 
     def waited(self, index: int, start: float, end: float) -> None:
         # Host time: meaningful on CPU only (on CUDA the host does not wait for NCCL).
@@ -225,8 +232,7 @@ class Telemetry:
             return
         for k, (span, _) in enumerate(self._in_flight):
             if span.lane == index:  # the wait returned: it ended no later than that
-                span.end = end
-                self.timeline.add(span)
+                self._ended(span, end)
                 del self._in_flight[k]
                 break
         self.poll()
@@ -253,8 +259,7 @@ class Telemetry:
         assert step is not None, "end_step without begin_step"
         for span, future in self._in_flight:  # every bucket was waited for; a hook's may be left
             future.wait()
-            span.end = self.clock.mark()
-            self.timeline.add(span)
+            self._ended(span, self.clock.mark())
         self._in_flight = []
         self.timing, self._next_step = False, stats.step + 1
         step.step, step.end, step.spans = stats.step, self.clock.mark(), self.timeline.finish()
@@ -318,7 +323,7 @@ class Telemetry:
                 if s.track == "comm":
                     values[f"comm/bucket_{s.lane}_ms"] = (s.end - s.start) * 1e3
             self._scalars(values, stats.step)
-        if self.trace_every and stats.step % self.trace_every == 0:
+        if self._traced(stats.step):
             self._write_trace(spans, stats.step, origin)
         if w is not None and self._wants_figure(stats.step, compiled, picture):
             drawing = time.perf_counter()

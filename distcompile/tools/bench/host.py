@@ -11,10 +11,10 @@ process on a gloo world of one (no peer: the all-reduces return at once). The va
 are built in the same process and stepped in turn, round after round, so load on the
 machine falls on all of them alike; each reports the median step time over the rounds,
 the same under ``no_sync()`` (the difference is what gradient synchronization costs the
-host: the reducer, and gloo's call per bucket), and, from one more step each, the Python calls (``sys.setprofile``) and the operations
-torch's profiler records (aten operators and compiled graphs' calls; the kernels inside a
-compiled C++ or Triton graph are not separate events on CPU), and for distcompile its
-pieces and buckets.
+host: the reducer, and gloo's call per bucket), and, from one more step each, the Python
+calls (``sys.setprofile``) and the operations torch's profiler records (aten operators
+and compiled graphs' calls; the kernels inside a compiled C++ or Triton graph are not
+separate events on CPU), and for distcompile its pieces and buckets.
 """
 
 from __future__ import annotations
