@@ -1,36 +1,41 @@
 #!/usr/bin/env bash
 # One short GPU session in one command (docs/gpu.md, "The next GPU session"): the versions,
-# the GPU tests, then the overlap benchmark on the small model (every CUDA variant) and on the
-# benchmark GPT (the variants the goals name), each step under its own time limit so a slow
-# one leaves the others their turn. Logs and results go to $OUT (default: gpu-session/).
+# where a step's host time goes (benchmarks/gpu_host_profile.py), the overlap benchmark on the
+# benchmark GPT (the variants the goals name, distcompile with telemetry on and off), then the
+# GPU tests; each step under its own time limit so a slow one leaves the others their turn.
+# Logs and results go to $OUT (default: gpu-session/): seven files, under the device tool's
+# eight.
 #
-#   PYTHONPATH=. OUT=/tmp/gpu benchmarks/gpu_session.sh [TESTS_S SMALL_S FULL_S]
+#   PYTHONPATH=. OUT=/tmp/gpu benchmarks/gpu_session.sh [PROFILE_S BENCH_S TESTS_S]
 set -uo pipefail
 OUT=${OUT:-gpu-session}
-TESTS_S=${1:-300} SMALL_S=${2:-150} FULL_S=${3:-200}
+PROFILE_S=${1:-140} BENCH_S=${2:-200} TESTS_S=${3:-180}
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 PY=$(command -v python3 || command -v python)
 {
   date -u
+  git rev-parse --short HEAD 2>/dev/null
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())"
   nproc
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-echo "== tests/gpu (limit ${TESTS_S}s; the two benchmark tests run below as the benchmark itself)"
+echo "== host profile, benchmark GPT (limit ${PROFILE_S}s)"
+timeout "$PROFILE_S" "$PY" benchmarks/gpu_host_profile.py --out-dir "$OUT" >"$OUT/host-profile.log" 2>&1
+echo "host profile rc=$?"
+tail -12 "$OUT/host-profile.log"
+
+echo "== benchmark, benchmark GPT (limit ${BENCH_S}s)"
+timeout "$BENCH_S" "$PY" benchmarks/overlap.py --device cuda --no-first-steps --rounds 2 --block 5 \
+  --variants ddp,compile_ddpopt,compile_ddpopt_cg,regional,dc_inductor,dc_inductor_quiet,dc_cudagraphs \
+  --out-dir "$OUT" >"$OUT/bench-gpt.log" 2>&1
+echo "bench gpt rc=$?"
+tail -14 "$OUT/bench-gpt.log"
+
+echo "== tests/gpu (limit ${TESTS_S}s; the two benchmark tests are the benchmark above)"
 timeout "$TESTS_S" "$PY" -m pytest tests/gpu -q -rA -p no:cacheprovider --timeout "$TESTS_S" \
-  -k "not benchmark" 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
-echo "tests rc=${PIPESTATUS[0]}"
-
-echo "== benchmark, small model, every CUDA variant (limit ${SMALL_S}s)"
-timeout "$SMALL_S" "$PY" benchmarks/overlap.py --device cuda --small --no-first-steps \
-  --rounds 2 --block 5 --warmup 2 --out-dir "$OUT" 2>&1 | tee "$OUT/bench-small.log" | tail -25
-echo "bench small rc=${PIPESTATUS[0]}"
-
-echo "== benchmark, benchmark GPT (limit ${FULL_S}s)"
-timeout "$FULL_S" "$PY" benchmarks/overlap.py --device cuda --no-first-steps --rounds 2 --block 5 \
-  --variants ddp,compile_ddpopt,compile_ddpopt_cg,dc_inductor,dc_inductor_quiet,dc_cudagraphs --out-dir "$OUT" 2>&1 \
-  | tee "$OUT/bench-gpt.log" | tail -25
-echo "bench gpt rc=${PIPESTATUS[0]}"
+  -k "not benchmark" >"$OUT/gpu-tests.log" 2>&1
+echo "tests rc=$?"
+grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/gpu-tests.log" | tail -25
