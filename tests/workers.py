@@ -753,6 +753,9 @@ HOST_READS = (
     "aten::unique",
     "aten::_unique2",
     "aten::masked_select",
+    # A Python number made a tensor: copied into a device tensor (`t[i] = 1.0` does this), a
+    # copy from pageable host memory, which on CUDA waits for the stream.
+    "aten::lift_fresh",
 )
 
 

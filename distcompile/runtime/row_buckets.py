@@ -103,7 +103,7 @@ class RowBucket(OneParamBucket):
             sent = torch.zeros(p.numel() + 1, dtype=self.wire_dtype, device=p.device)
             if grad is not None:
                 sent[:-1] = grad.reshape(-1) * scale
-                sent[-1] = 1.0
+                sent[-1:].fill_(1.0)  # a fill kernel: `sent[-1] = 1.0` copies from the host
             self._flag = sent[-1:]
         else:
             sent = self._rows_of(group, grad, bound, scale)
@@ -120,7 +120,7 @@ class RowBucket(OneParamBucket):
         touched = torch.zeros(p.shape[0] + 1, dtype=torch.float32, device=p.device)
         if grad is not None:
             touched[:-1] = grad.reshape(p.shape[0], -1).ne(0).any(dim=1)
-            touched[-1] = 1.0
+            touched[-1:].fill_(1.0)
         compat.start_all_reduce(touched, group).wait()  # blocking: the union sizes the rows sent
         self._flag = touched[-1:]
         found = torch.nonzero_static(touched[:-1] > 0, size=bound, fill_value=p.shape[0]).squeeze(1)

@@ -1,8 +1,10 @@
 """No host read in a steady-state step (issue 55): on a GPU, an operation whose result the host
-reads (``.item()``, ``nonzero``, a boolean-mask index, ``torch.equal``) stops the host until the
-stream catches up, and every launch queued behind it waits. Counted here on CPU, where the same
-operations appear, under torch's profiler: the model reads nothing itself, so whatever is found
-is distcompile's (the row bucket used to read its union's size, four reads a step)."""
+reads (``.item()``, ``nonzero``, a boolean-mask index, ``torch.equal``), or a Python number
+copied into a device tensor (``t[i] = 1.0``), stops the host until the stream catches up, and
+every launch queued behind it waits. Counted here on CPU, where the same operations appear,
+under torch's profiler: the model reads nothing itself, so whatever is found is distcompile's
+(the row bucket used to read its union's size, four reads a step; on the first GPU run of this
+test, `set_sync_debug_mode("error")` caught its `touched[-1] = 1.0`)."""
 
 from __future__ import annotations
 
