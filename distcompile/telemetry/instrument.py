@@ -53,10 +53,11 @@ def _timed_call(fn: Callable, args: tuple, telemetry: Recorder, label: str) -> o
             bwd.start = clock.mark()
 
         def finished(grad_inputs: object, grad_outputs: object) -> None:
-            bwd.end = clock.mark()
-            if bwd.start is None:
-                bwd.start = bwd.end
-            timeline.add(bwd)
+            # A span of its own each time: a graph kept (retain_graph) runs these hooks again,
+            # and a span, with its marks, belongs to one step (CudaClock reuses them after it).
+            end = clock.mark()
+            timeline.add(PendingSpan("compute", bwd.name, end if bwd.start is None else bwd.start, end))
+            bwd.start = None
             telemetry.poll()
 
         node.register_prehook(started)

@@ -206,7 +206,7 @@ def test_gpu_spans_are_event_times_inside_the_step(nccl_world_of_one, tmp_path) 
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     timed = []
-    for s in range(5):
+    for s in range(12):  # past the first steps read: their events are recorded again (CudaClock)
         x, y = synthetic_batch(cfg, batch_size=4, step=s, rank=0, device=torch.device("cuda", 0))
         GPT.loss(model(x), y).backward()
         opt.step()
@@ -214,7 +214,7 @@ def test_gpu_spans_are_event_times_inside_the_step(nccl_world_of_one, tmp_path) 
         timed.append(model.last_step.timed_step)
     model.close()  # writes the steps the GPU had not finished when they ended
     assert all(t <= s for s, t in enumerate(timed)) and timed[-1] >= 0, timed
-    for s in range(1, 5):
+    for s in range(1, 12):
         doc = json.loads((tmp_path / "traces" / f"trace_rank0_step{s}.json").read_text())
         spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
         (step,) = [e for e in spans if e["cat"] == "step"]
@@ -230,6 +230,36 @@ def test_gpu_spans_are_event_times_inside_the_step(nccl_world_of_one, tmp_path) 
             )
         for a, b in zip(compute, compute[1:]):  # one stream: segments run one after another
             assert a["ts"] + a["dur"] <= b["ts"] + 1, (a, b)
+
+
+def test_cuda_clock_records_its_events_again_and_times_stay_right() -> None:
+    from distcompile.telemetry.clock import CudaClock, PendingSpan, PendingStep, PendingSteps
+
+    clock = CudaClock()
+    q = PendingSteps(clock)
+    x = torch.randn(2048, 2048, device="cuda")
+    seen: list[set[int]] = []
+    for k in range(4):
+        origin = clock.mark()
+        for _ in range(k + 1):  # step k: k + 1 products, so its span grows with k
+            x = (x @ x).tanh_()
+        end = clock.mark()
+        q.push(PendingStep(k, float(k), origin, end, spans=[PendingSpan("compute", "mm", origin, end)]))
+        seen.append({id(origin), id(end)})
+        q.ready(wait=True)
+    assert seen[1] == seen[0] and seen[3] == seen[0]  # the same two events, recorded again
+    torch.cuda.synchronize()
+    q2 = PendingSteps(clock)
+    times = []
+    for k in range(4):
+        origin = clock.mark()
+        for _ in range(4 * (k + 1)):
+            x = (x @ x).tanh_()
+        end = clock.mark()
+        q2.push(PendingStep(k, 0.0, origin, end, spans=[PendingSpan("compute", "mm", origin, end)]))
+    for _, spans in q2.ready(wait=True):
+        times.append(spans[0].end - spans[0].start)
+    assert all(t > 0 for t in times) and times == sorted(times), times
 
 
 @pytest.mark.timeout(1800)

@@ -26,6 +26,7 @@ class _DeviceLikeClock:
         self.now = 0.0
         self.reached = 0.0
         self.waits = 0
+        self.released: list[float] = []
 
     def mark(self) -> float:
         self.now += 1.0
@@ -40,6 +41,9 @@ class _DeviceLikeClock:
 
     def seconds(self, origin: float, mark: float) -> float:
         return (mark - origin) / 1e3  # one mark = 1 ms of device time
+
+    def release(self, marks: list[float]) -> None:
+        self.released += marks
 
 
 def test_host_clock_spans_keep_their_times() -> None:
@@ -89,6 +93,22 @@ def test_pending_steps_come_out_in_order_once_the_device_passed_them() -> None:
     assert [p.step for p, _ in q.ready()] == [2] and c.waits == 2  # its two marks
     assert len(q) == 3
     assert [p.step for p, _ in q.ready(wait=True)] == [3, 4, 5] and len(q) == 0
+
+
+def test_marks_go_back_to_the_clock_once_each_after_their_step_is_read() -> None:
+    # CudaClock records a released event again: a mark released before its step is read,
+    # or twice (a span that starts and ends at one mark), would time two things at once.
+    c = _DeviceLikeClock()
+    q = PendingSteps(c)
+    shared = c.mark()
+    step = PendingStep(
+        0, 0.0, c.mark(), c.mark(), spans=[PendingSpan("compute", "g0.s0 bwd", shared, shared)]
+    )
+    q.push(step)
+    assert q.ready() == [] and c.released == []  # not read yet: nothing goes back
+    c.reached = c.now
+    assert [p.step for p, _ in q.ready()] == [0]
+    assert sorted(c.released) == sorted([step.origin, step.end, shared])
 
 
 def test_telemetry_on_a_late_clock_reports_the_newest_finished_step(tmp_path) -> None:
