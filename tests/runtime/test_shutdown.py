@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,9 +40,14 @@ def test_ranks_whose_last_line_is_a_collective_exit_cleanly(tmp_path: Path) -> N
     # 80 rank processes; with it but the handler's grace removed: 11 of 100 (three runs of
     # this test); with the handler: 0 of 140. At 1 in 9, 40 processes pass by chance with
     # probability about 1%.
+    # Under .ci/torch-matrix (DISTCOMPILE_TORCH_MATRIX=1, another torch release) 10 runs: the
+    # question there is whether the handler works at all on that release. Without it 25-42%
+    # of ranks abort (5 of 20 on 2026-11-28, 34 of 80 above), which 20 processes miss with
+    # probability under 0.4%; on the 2.15 CUDA build each run cost 24 s of the subset's time.
+    runs = 10 if os.environ.get("DISTCOMPILE_TORCH_MATRIX") else 20
     env = child_env()
     failures = []
-    for run in range(20):
+    for run in range(runs):
         port = str(free_port())
         procs = [
             subprocess.Popen(
