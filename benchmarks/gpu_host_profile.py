@@ -141,7 +141,8 @@ def main() -> int:
             row["pieces"] = sum(len(g.plan.pieces) for g in v.model.graphs)
             v.model.close()
         del v
-        torch.cuda.empty_cache() if w.cuda else None
+        if w.cuda:
+            torch.cuda.empty_cache()
     for title, text in profiles.items():
         print(f"\n===== {title}\n{text}")
     print(
