@@ -47,17 +47,17 @@ def _timed_call(fn: Callable, args: tuple, telemetry: Recorder, label: str) -> o
         # The piece's backward is one autograd node (under AOTAutograd); its pre- and
         # post-hooks bracket the segment's backward without touching any tensor. The
         # engine runs them on the node's stream, so CUDA events there time the GPU work.
-        bwd = PendingSpan("compute", f"{label} bwd", None, None)
+        name, began = f"{label} bwd", [None]
 
         def started(grad_outputs: object) -> None:
-            bwd.start = clock.mark()
+            began[0] = clock.mark()
 
         def finished(grad_inputs: object, grad_outputs: object) -> None:
-            # A span of its own each time: a graph kept (retain_graph) runs these hooks again,
+            # A span of its own each run: a graph kept (retain_graph) runs these hooks again,
             # and a span, with its marks, belongs to one step (CudaClock reuses them after it).
             end = clock.mark()
-            timeline.add(PendingSpan("compute", bwd.name, end if bwd.start is None else bwd.start, end))
-            bwd.start = None
+            timeline.add(PendingSpan("compute", name, end if began[0] is None else began[0], end))
+            began[0] = None
             telemetry.poll()
 
         node.register_prehook(started)
