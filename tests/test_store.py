@@ -259,6 +259,22 @@ def test_the_ranks_behind_a_peer_address_are_named(monkeypatch: pytest.MonkeyPat
     assert max(ops) <= len(addresses) + 2 + 3, ops  # an append per address, the barrier, check+get+check
 
 
+def _wait_until_stopped(pid: int) -> None:
+    """Until every thread of ``pid`` is in the stopped state: a stop signal is taken by one
+    thread, which then stops the others, and a thread not yet stopped (the store's server
+    thread, woken by a request) still answers."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(state == "T" for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within 30 s: thread states {states}")
+
+
 def test_error_path_lookups_give_up_on_a_store_whose_host_is_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
     """A store host that is stopped (SIGSTOP) keeps its connections and never answers: what an
     error path asks (who failed, who is behind an address) comes back empty, and what it
@@ -275,6 +291,7 @@ def test_error_path_lookups_give_up_on_a_store_whose_host_is_stopped(monkeypatch
         assert failed_ranks(client, "p", [1]) == {1: "RuntimeError: boom"}  # answered while it runs
         monkeypatch.setattr(_store, "LOOKUP_S", 1.0)
         os.kill(server.pid, signal.SIGSTOP)
+        _wait_until_stopped(server.pid)  # kill() returns before every thread has stopped
         start = time.monotonic()
         assert failed_ranks(client, "p", [1]) == {} and ranks_at(client, "p", "[10.0.0.2]:4242") == []
         mark_failed(client, "p", 0, "RuntimeError: the error this rank raises next")  # and gives up
