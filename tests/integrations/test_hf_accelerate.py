@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 RTOL, ATOL = 1e-5, 1e-6
 
 
+@pytest.mark.long  # two accelerate runs with a save and a load (about 20 s); the errors below stay in the README's command
 def test_accelerate_prepare_accumulate_save_load(tmp_path) -> None:
     ref, ours = zip(*run_ranks(stacks.both, 2, stacks.accelerate_loop, str(tmp_path / "state"), timeout=600))
     for rank, (a, b) in enumerate(zip(ref, ours)):

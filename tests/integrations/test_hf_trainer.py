@@ -20,6 +20,7 @@ def _close(a: list, b: list, what: str) -> None:
         np.testing.assert_allclose(p, q, rtol=RTOL, atol=ATOL, err_msg=f"{what}: tensor {i}")
 
 
+@pytest.mark.long  # two Trainer runs, a resume and a plain load on 2 ranks (about 40 s); the next test runs the Trainer in the README's command
 def test_trainer_accumulation_checkpoint_resume(tmp_path) -> None:
     ref, ours = zip(*run_ranks(stacks.both, 2, stacks.hf_trainer_loop, str(tmp_path / "out"), timeout=600))
     for rank, (a, b) in enumerate(zip(ref, ours)):

@@ -29,11 +29,12 @@ def _compare(ref: list[dict], ours: list[dict]) -> None:
         np.testing.assert_array_equal(p, q, err_msg=f"param {i} differs between ranks")
 
 
-@pytest.mark.long  # the Trainer test covers the strategy in the README's command
+@pytest.mark.long  # Lightning's loops on 2 ranks run in the long set (20-70 s each)
 def test_fabric_strategy(tmp_path) -> None:
     _compare(*zip(*run_ranks(stacks.both, 2, stacks.fabric_loop, str(tmp_path / "fabric.ckpt"), timeout=600)))
 
 
+@pytest.mark.long
 def test_trainer_strategy(tmp_path) -> None:
     ref, ours = zip(
         *run_ranks(stacks.both, 2, stacks.lightning_trainer_loop, str(tmp_path / "out"), timeout=600)

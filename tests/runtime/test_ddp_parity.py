@@ -157,7 +157,9 @@ def test_ddp_mixed_precision_is_refused_with_the_alternative() -> None:
         ("moe", "aot_eager", None, 2),
         ("moe_skip", "aot_eager", None, 2),
         ("moe_skip", "aot_eager", True, 2),
-        ("moe_skip", "aot_eager", None, 3),
+        pytest.param(
+            "moe_skip", "aot_eager", None, 3, marks=pytest.mark.long
+        ),  # ~12 s; 3 ranks: also mask_moe
         pytest.param("moe_skip", "inductor", None, 2, marks=pytest.mark.slow),
     ],
 )

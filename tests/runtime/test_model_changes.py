@@ -82,6 +82,7 @@ def test_copies_and_averages_of_a_wrapped_model_work_as_a_ddp_models(how: str) -
         np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.long  # repeated wrap, train and close cycles on 2 ranks (about 18 s)
 def test_wrap_train_close_cycles_hold_no_model_and_no_memory() -> None:
     # Before close released TorchDynamo's hold (its guard managers' failure callback, kept by
     # weakref finalizers on the module), every closed model stayed alive with its gradients.

@@ -137,7 +137,7 @@ def test_parity_inductor_repeated_blocks_compiled_once() -> None:
         # TorchDynamo restarts its trace from inside the backend (TensorifyScalarRestartAnalysis);
         # torch.compile(model, dynamic=True) itself then recompiles once on torch 2.13 (a guard
         # that fails with "'NoneType' object has no attribute 'size'"), hence up to 2 graphs.
-        ("dynamic_true", "aot_eager", 2),
+        pytest.param("dynamic_true", "aot_eager", 2, marks=pytest.mark.long),  # ~20 s: two traces of the GPT
         pytest.param("dynamic_true", "inductor", 2, marks=pytest.mark.long),  # ~30 s on a cold cache
         ("dynamic_false", "aot_eager", 3),  # one graph per sequence length
         ("dynamic_auto", "aot_eager", 2),  # static, then one dynamic recompile
@@ -273,6 +273,7 @@ def test_retain_graph_after_a_warm_cache_is_a_clear_error_or_right(tmp_path, don
 
 
 @pytest.mark.slow
+@pytest.mark.long  # two runs of fresh ranks, a cold then a warm cache (about 20 s)
 def test_retain_graph_gradients_train_on_a_warm_cache_as_on_a_cold_one(tmp_path) -> None:  # noqa: ANN001
     """The adaptive-weight step trains with an empty compile cache; launched again on that cache
     it must train the same (it raised ConfigError: a piece loaded from the cache was taken as

@@ -174,6 +174,7 @@ def two_namespaces():
         pytest.skip(f"cannot create network namespaces here: {exc.stderr!r}")
 
 
+@pytest.mark.long  # two torchrun nodes in namespaces (about 20 s); test_local_launcher runs the launcher in the README's command
 def test_two_nodes_in_network_namespaces(two_namespaces, tmp_path: Path) -> None:
     endpoint = f"{two_namespaces[0][2]}:29531"
     procs = []
