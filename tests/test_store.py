@@ -267,8 +267,11 @@ def _wait_until_stopped(pid: int) -> None:
     while time.monotonic() < deadline:
         states = []
         for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended since the listing
+                continue
         if all(state == "T" for state in states):
             return
         time.sleep(0.01)

@@ -34,7 +34,7 @@ def test_fabric_strategy(tmp_path) -> None:
     _compare(*zip(*run_ranks(stacks.both, 2, stacks.fabric_loop, str(tmp_path / "fabric.ckpt"), timeout=600)))
 
 
-@pytest.mark.long
+@pytest.mark.long  # about 35 s; the README's command runs no Lightning loop (each is 20-70 s)
 def test_trainer_strategy(tmp_path) -> None:
     ref, ours = zip(
         *run_ranks(stacks.both, 2, stacks.lightning_trainer_loop, str(tmp_path / "out"), timeout=600)

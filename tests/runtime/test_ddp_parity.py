@@ -157,9 +157,8 @@ def test_ddp_mixed_precision_is_refused_with_the_alternative() -> None:
         ("moe", "aot_eager", None, 2),
         ("moe_skip", "aot_eager", None, 2),
         ("moe_skip", "aot_eager", True, 2),
-        pytest.param(
-            "moe_skip", "aot_eager", None, 3, marks=pytest.mark.long
-        ),  # ~12 s; 3 ranks: also mask_moe
+        # ~12 s, in the long set: mask_moe's 3-rank runs stay in the README's command.
+        pytest.param("moe_skip", "aot_eager", None, 3, marks=pytest.mark.long),
         pytest.param("moe_skip", "inductor", None, 2, marks=pytest.mark.slow),
     ],
 )
