@@ -59,7 +59,8 @@ def _demo(tmp_path: Path, *extra: str) -> str:
 
 
 def test_demo_prints_table_and_writes_tensorboard(tmp_path: Path) -> None:
-    """The README's first command as users run it: eager DDP and distcompile."""
+    """The demo without flags beyond its length and backend (the README's first command runs 20
+    steps on Inductor): eager DDP and distcompile only."""
     out = _demo(tmp_path)
     assert "DDPOptimizer" not in out, out
 
