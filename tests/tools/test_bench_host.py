@@ -14,15 +14,17 @@ import pytest
 def test_host_overhead_mode_writes_each_variants_figures(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "distcompile.tools.cli", "bench", "--host-overhead", "--rounds", "2",
-         "--block", "2", "--warmup", "2", "--variants", "ddp,distcompile_telemetry", "--out-dir", str(tmp_path)],
+         "--block", "2", "--warmup", "2", "--variants", "ddp,distcompile_telemetry,distcompile_unsplit", "--out-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (path,) = tmp_path.glob("*-host-overhead.json")
     rows = json.loads(path.read_text())["variants"]
-    assert set(rows) == {"ddp", "distcompile_telemetry"}
+    assert set(rows) == {"ddp", "distcompile_telemetry", "distcompile_unsplit"}
     for row in rows.values():
         assert row["median_ms"] > 0 and row["no_sync_median_ms"] > 0 and row["python_calls"] > 0, row
     dc = rows["distcompile_telemetry"]
     assert dc["pieces"] <= dc["buckets"] + 1, dc  # one piece per bucket (issue 55)
+    # split_shared=False: the tied table's head part has no bucket of its own, and no row bucket.
+    assert rows["distcompile_unsplit"]["buckets"] == dc["buckets"] - 2, rows
     assert "sync ms" in out.stdout and "distcompile_telemetry" in out.stdout, out.stdout
