@@ -11,10 +11,10 @@ import torch.distributed as dist
 COSTS = Path(__file__).with_name("costs.tsv")
 
 
-def measured_costs(path: Path = COSTS) -> dict[str, float]:
+def measured_costs() -> dict[str, float]:
     """``nodeid -> seconds`` from ``costs.tsv`` (comment lines start with ``#``)."""
     costs = {}
-    for line in path.read_text().splitlines():
+    for line in COSTS.read_text().splitlines():
         if line and not line.startswith("#"):
             seconds, nodeid = line.split("\t", 1)
             costs[nodeid] = float(seconds)

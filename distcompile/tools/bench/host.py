@@ -58,6 +58,9 @@ HOST_VARIANTS = {
 HOST_OPT_IN = {
     "distcompile_unsplit": "distcompile.wrap(DDP, split_shared=False): the tied table reduced whole, at the end",
 }
+_DESCRIPTIONS = {**HOST_VARIANTS, **HOST_OPT_IN}
+#: distcompile variants -> their ``wrap`` options (``logdir`` is added where telemetry is on).
+_WRAP_OPTIONS = {"distcompile_unsplit": {"split_shared": False}}
 
 
 def _block_bytes(cfg: GPTConfig) -> int:
@@ -77,10 +80,8 @@ def _build(name: str, cfg: GPTConfig, cap_mb: float, logdir: str) -> torch.nn.Mo
         return ddp
     if name == "ddpopt":
         return torch.compile(ddp, backend=compat.inductor_compiler(mode=None, dynamic=None, cudagraphs=False))
-    options: dict[str, object] = {"logdir": logdir} if name.endswith("telemetry") else {}  # traces, pictures
-    if name == "distcompile_unsplit":
-        options["split_shared"] = False
-    return distcompile.wrap(ddp, backend="inductor", **options)
+    telemetry = {"logdir": logdir} if name.endswith("telemetry") else {}  # as users get it: traces, pictures
+    return distcompile.wrap(ddp, backend="inductor", **telemetry, **_WRAP_OPTIONS.get(name, {}))
 
 
 def _step(
@@ -165,7 +166,7 @@ def run_host_overhead(*, rounds: int, block: int, warmup: int, variants: list[st
         model, opt, batch = models[n], opts[n], batches[0]
         one = lambda model=model, opt=opt, batch=batch: _step(model, opt, batch)  # noqa: E731
         row = {
-            "description": {**HOST_VARIANTS, **HOST_OPT_IN}[n],
+            "description": _DESCRIPTIONS[n],
             "median_ms": 1e3 * statistics.median(times[n]),
             "no_sync_median_ms": 1e3 * statistics.median(unsynced[n]),
             "min_ms": 1e3 * min(times[n]),
@@ -225,9 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default="benchmarks/results")
     args, _ = p.parse_known_args(argv)
     names = [n for n in args.variants.split(",") if n]
-    unknown = sorted(set(names) - set(HOST_VARIANTS) - set(HOST_OPT_IN))
+    unknown = sorted(set(names) - set(_DESCRIPTIONS))
     if unknown:
-        p.error(f"unknown variant(s) {unknown}; choose from {[*HOST_VARIANTS, *HOST_OPT_IN]}")
+        p.error(f"unknown variant(s) {unknown}; choose from {list(_DESCRIPTIONS)}")
     result = run_host_overhead(rounds=args.rounds, block=args.block, warmup=args.warmup, variants=names)
     print_table(result)
     os.makedirs(args.out_dir, exist_ok=True)
