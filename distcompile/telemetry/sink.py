@@ -30,7 +30,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -93,6 +93,7 @@ class Telemetry:
 
             # A deep queue: with the default (10 events) add_scalar blocks on the writer thread.
             self.writer = SummaryWriter(log_dir=run_dir, max_queue=1000, flush_secs=10)
+            compat.fast_records(self.writer)  # Note [Event records]
         self._compile_spans: list[Span] = []
         self._compiled_this_step = False
         self._first_warm_step: int | None = None
@@ -105,6 +106,7 @@ class Telemetry:
         self.timing = False  # whether this step times each segment (``instrument``)
         self._next_step = 0
         self._derived: dict[str, float] = {}
+        self._summary: Any = None  # the last step's scalars (``_scalars``)
 
     # -- compile side (compile.backend.CompileObserver) ------------------------------------
     def instrument(self, compiled: Callable, graph_id: int) -> Callable:
@@ -354,9 +356,15 @@ class Telemetry:
     def _scalars(self, values: dict[str, float], step: int) -> None:
         # One event holding every scalar of the step: a tenth of the cost of one
         # add_scalar call per tag, and read back by TensorBoard exactly the same way.
-        from tensorboard.compat.proto.summary_pb2 import Summary
+        # The same tags step after step: the last step's message with its values replaced
+        # (a fifth of building one; the writer copies it into the event).
+        summary = self._summary
+        if summary is None or [v.tag for v in summary.value] != list(values):
+            from tensorboard.compat.proto.summary_pb2 import Summary
 
-        summary = Summary(value=[Summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()])
+            summary = self._summary = Summary(value=[Summary.Value(tag=k) for k in values])
+        for value, v in zip(summary.value, values.values()):
+            value.simple_value = float(v)
         compat.write_summary(self.writer, summary, step)
 
     def close(self) -> None:
