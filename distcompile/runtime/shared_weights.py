@@ -190,8 +190,11 @@ class SharedParts:
                 h.grad = None
             if not grads:
                 continue
+            if p.grad is not None and len(grads) == 1:
+                p.grad.add_(grads[0])  # the common step: one pass over the table, no copy of it
+                continue
             total = grads[0].clone() if len(grads) == 1 else torch.stack(grads).sum(0)
-            if p.grad is None:
+            if p.grad is None:  # a copy: a part's gradient may be a view of its bucket
                 p.grad = total.to(p.dtype)
             else:
                 p.grad.add_(total)
