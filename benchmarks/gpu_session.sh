@@ -18,6 +18,9 @@ PY=$(command -v python3 || command -v python)
   git rev-parse --short HEAD 2>/dev/null
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())"
+  # Telemetry's event records are checksummed in C only with google-crc32c (Note [Event records]).
+  "$PY" -c "import tensorboard, google_crc32c as g; print('tensorboard', tensorboard.__version__, 'google-crc32c', g.implementation)" \
+    || echo "google-crc32c or tensorboard missing: telemetry's event records in pure Python"
   nproc
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
