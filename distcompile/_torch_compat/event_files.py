@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import struct
+import warnings
 from typing import Any
 
 __all__ = ["fast_records"]
@@ -62,7 +63,9 @@ def fast_records(writer: Any) -> bool:
         >>> w.add_scalar("loss", 1.0, 0); w.close()
     """
     try:
-        import google_crc32c
+        with warnings.catch_warnings():  # without its C extension it warns, and is not used here
+            warnings.simplefilter("ignore", RuntimeWarning)
+            import google_crc32c
     except ImportError:
         return False
     if getattr(google_crc32c, "implementation", None) != "c":
@@ -70,7 +73,6 @@ def fast_records(writer: Any) -> bool:
     try:
         records = writer._get_file_writer().event_writer._async_writer._writer
         path = records._writer.filename
-        write = records.write  # noqa: F841 - present: the writer thread calls it
     except AttributeError:
         return False
     if not (isinstance(path, (str, bytes)) and os.path.isfile(path)):
