@@ -106,7 +106,8 @@ class Telemetry:
         self.timing = False  # whether this step times each segment (``instrument``)
         self._next_step = 0
         self._derived: dict[str, float] = {}
-        self._summary: Any = None  # the last step's scalars (``_scalars``)
+        self._summary: Any = None  # the last step's scalars, and their tags (``_scalars``)
+        self._summary_tags: tuple[str, ...] = ()
 
     # -- compile side (compile.backend.CompileObserver) ------------------------------------
     def instrument(self, compiled: Callable, graph_id: int) -> Callable:
@@ -358,11 +359,13 @@ class Telemetry:
         # add_scalar call per tag, and read back by TensorBoard exactly the same way.
         # The same tags step after step: the last step's message with its values replaced
         # (a fifth of building one; the writer copies it into the event).
-        summary = self._summary
-        if summary is None or [v.tag for v in summary.value] != list(values):
+        tags = tuple(values)
+        if tags != self._summary_tags:
             from tensorboard.compat.proto.summary_pb2 import Summary
 
-            summary = self._summary = Summary(value=[Summary.Value(tag=k) for k in values])
+            self._summary = Summary(value=[Summary.Value(tag=k) for k in tags])
+            self._summary_tags = tags
+        summary = self._summary
         for value, v in zip(summary.value, values.values()):
             value.simple_value = float(v)
         compat.write_summary(self.writer, summary, step)
