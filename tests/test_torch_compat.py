@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -14,7 +16,7 @@ from torch.fx.passes.split_module import split_module
 import distcompile
 from distcompile import _torch_compat as compat
 from tests import workers
-from tests.harness import run_ranks
+from tests.harness import child_env, run_ranks
 
 ROOT = pathlib.Path(distcompile.__file__).parent
 #: Names bound to torch modules in our sources.
@@ -208,3 +210,22 @@ def test_the_process_groups_own_all_reduce_sums_as_dist_all_reduce() -> None:
     factor = 1 + 2  # ranks 0 and 1 scale by 1 and 2
     want = [[float(i * factor) for i in range(4)], [(1 + 2j) * factor, (3 - 1j) * factor]] * 2
     assert got == [want, want]
+
+
+def test_counting_optimizers_in_backward_imports_nothing() -> None:
+    """Every step asks whether ``_apply_optimizer_in_backward`` registered hooks; in a process
+    that never imported it the answer is 0 without importing ``torch.distributed.optim``
+    (0.4-0.8 s, scripting its functional optimizers), and once it registered some, their count."""
+    script = (
+        "import sys, torch\n"
+        "from distcompile import _torch_compat as compat\n"
+        "print(compat.optimizer_in_backward_count(), 'torch.distributed.optim' in sys.modules)\n"
+        "from torch.distributed.optim import _apply_optimizer_in_backward\n"
+        "_apply_optimizer_in_backward(torch.optim.SGD, torch.nn.Linear(2, 2).parameters(), {'lr': 0.1})\n"
+        "print(compat.optimizer_in_backward_count())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=child_env()
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0", "False", "2"], out.stdout
