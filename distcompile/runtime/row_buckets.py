@@ -141,12 +141,13 @@ class RowBucket(OneParamBucket):
             touched[-1:].fill_(1.0)
         compat.start_all_reduce(touched, group).wait()  # blocking: the union sizes the rows sent
         self._flag = touched[-1:]
-        found = torch.nonzero_static(touched[:-1] > 0, size=bound, fill_value=p.shape[0]).squeeze(1)
+        # The counts are sums of 0s and 1s: nonzero where some rank touched the row.
+        found = torch.nonzero_static(touched[:-1], size=bound, fill_value=p.shape[0]).squeeze(1)
         self._keep = (found < p.shape[0]).unsqueeze(1)
         self.rows = found.clamp(max=p.shape[0] - 1)
         if grad is None:
             return torch.zeros((bound, *p.shape[1:]), dtype=self.wire_dtype, device=p.device)
-        return (grad.index_select(0, self.rows) * self._keep * scale).to(self.wire_dtype)
+        return grad.index_select(0, self.rows).mul_(self._keep).mul_(scale).to(self.wire_dtype)
 
     def done(self) -> bool:
         return self.work is not None and self.work.is_completed()
