@@ -49,9 +49,10 @@ def _touched_rows(grad: torch.Tensor) -> torch.Tensor:
 
     On CPU the sum of the row's absolute values is tested instead of ``ne(0).any(dim=1)``:
     the same answer (a sum of non-negative values is zero only when each is; an Inf or NaN
-    stays nonzero), 2.3-2.8x faster there, where a reduction over short boolean rows is the
-    slow case (one thread: 82 against 225 us on an 8,192 x 8 table, 4.1 against 9.5 ms on
-    8,192 x 768). On CUDA it would be one more kernel a step (not measured there): unchanged.
+    stays nonzero), 2-2.8x faster there, where a reduction over short boolean rows is the
+    slow case (one thread: 69-82 against 136-225 us on an 8,192 x 8 table, 4.1-5.1 against
+    9.5-13.2 ms on 8,192 x 768). On CUDA it would be one more kernel a step (not measured
+    there): unchanged.
 
     Example:
         >>> _touched_rows(torch.tensor([[0.0, -1e-40], [0.0, 0.0], [float("nan"), 0.0]])).tolist()
