@@ -1,5 +1,6 @@
 """`.ci/cxx-cache`, the compiler-call cache `.ci/run` puts before g++: a repeat gets the library
-built before, anything that differs (source, flags, an included header) is compiled again."""
+built before, anything that differs (source, flags, an included header, the release of the
+package whose headers it includes) is compiled again."""
 
 from __future__ import annotations
 
@@ -20,6 +21,15 @@ pytestmark = pytest.mark.skipif(REAL is None, reason="no g++ on this machine")
 SOURCE = 'extern "C" int value() { return VALUE + EXTRA; }\n'  # EXTRA: from the -include'd header
 
 
+def _env(cache: Path | None, real: str | None = REAL) -> dict[str, str]:
+    """The cache's environment; its log in ``cache/calls.log`` (under .ci/run, not the run's)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTCOMPILE_CI_CXX")}
+    env["DISTCOMPILE_CI_REAL_CXX"] = str(real)
+    if cache is not None:
+        env["DISTCOMPILE_CI_CXX_CACHE"] = str(cache)
+    return env
+
+
 def _compile(
     tmp: Path, folder: str, cache: Path, *flags: str, header: str = "#define EXTRA 0\n"
 ) -> tuple[subprocess.CompletedProcess, Path]:
@@ -28,11 +38,11 @@ def _compile(
     (src_dir / "value.h").write_text(header)
     (src_dir / "k.cpp").write_text(SOURCE)
     out = src_dir / "k.so"
-    env = {**os.environ, "DISTCOMPILE_CI_REAL_CXX": REAL, "DISTCOMPILE_CI_CXX_CACHE": str(cache)}
     # As Inductor calls it: source and header in a folder of their own, compiled and linked at once.
     args = [str(src_dir / "k.cpp"), "-include", str(src_dir / "value.h"), "-shared", "-fPIC", *flags]
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args, "-o", str(out)], env=env, capture_output=True)
-    return proc, out
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "-o", str(out)], env=_env(cache), capture_output=True
+    ), out
 
 
 def _value(lib: Path) -> int:
@@ -67,7 +77,7 @@ def test_a_failed_compile_keeps_its_error_and_caches_nothing(tmp_path: Path) -> 
 
 
 def test_other_calls_and_an_unset_cache_run_the_compiler_itself(tmp_path: Path) -> None:
-    env = {**os.environ, "DISTCOMPILE_CI_REAL_CXX": REAL, "DISTCOMPILE_CI_CXX_CACHE": str(tmp_path)}
+    env = _env(tmp_path)
     version = subprocess.run(
         [sys.executable, str(SCRIPT), "--version"], env=env, capture_output=True, text=True
     )
@@ -84,10 +94,38 @@ def test_other_calls_and_an_unset_cache_run_the_compiler_itself(tmp_path: Path) 
 
 
 def test_the_cache_named_as_its_own_compiler_refuses_instead_of_calling_itself(tmp_path: Path) -> None:
-    env = {**os.environ, "DISTCOMPILE_CI_REAL_CXX": str(SCRIPT), "DISTCOMPILE_CI_CXX_CACHE": str(tmp_path)}
+    env = _env(tmp_path, real=str(SCRIPT))
     (tmp_path / "k.cpp").write_text('extern "C" int value() { return 7; }\n')
     args = [str(tmp_path / "k.cpp"), "-shared", "-o", str(tmp_path / "k.so")]
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=30
     )
     assert proc.returncode == 2 and "is this script" in proc.stderr, proc.stderr
+
+
+def test_a_package_released_again_in_place_is_compiled_again_and_hits_mark_entries_used(
+    tmp_path: Path,
+) -> None:
+    """The cache outlives a run: an include folder's package (torch, upgraded in the same
+    site-packages) names its release in ``version.py``; the headers under it are not hashed."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    pkg = tmp_path / "site" / "fakepkg"
+    (pkg / "include").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "include" / "extra.h").write_text("#define EXTRA 0\n")
+    flags = ("-DVALUE=1", f"-I{pkg / 'include'}")
+    header = '#include "extra.h"\n'  # found through -I, as torch's headers are
+    (pkg / "version.py").write_text("__version__ = '1.0'\n")
+    first, _ = _compile(tmp_path, "a", cache, *flags, header=header)
+    again, _ = _compile(tmp_path, "b", cache, *flags, header=header)
+    assert first.returncode == again.returncode == 0, (first.stderr, again.stderr)
+    (entry,) = [e for e in cache.iterdir() if e.name != "calls.log"]
+    os.utime(entry, (1, 1))
+    _compile(tmp_path, "c", cache, *flags, header=header)
+    assert entry.stat().st_mtime > 1  # a hit marks its entry used: .ci/run drops unused ones
+    (pkg / "include" / "extra.h").write_text("#define EXTRA 40\n")
+    (pkg / "version.py").write_text("__version__ = '1.1'\n")
+    upgraded, lib = _compile(tmp_path, "d", cache, *flags, header=header)
+    assert upgraded.returncode == 0 and _value(lib) == 41
+    assert _log(cache) == ["miss", "hit", "hit", "miss"]
