@@ -15,6 +15,7 @@ May import ``compile``, ``capture``, ``planning`` and the leaves. It never impor
 - ``layout.py``: which buckets a step's gradients travel in (frozen or not), cached.
 - ``schedule.py``: a step's buckets in launch order, from the graphs that ran.
 - ``bucket.py``: one flat bucket: buffer, used flags, launch, write.
+- ``comm_errors.py``: a failed collective in words, the peers behind it, NaN/Inf after it.
 - ``row_buckets.py``: an embedding table reduced by the rows looked up.
 - ``sparse.py``: sparse gradients, reduced apart.
 - ``shared_weights.py``: the parts of shared parameters, on the reducer's side.

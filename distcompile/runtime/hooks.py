@@ -216,10 +216,9 @@ class HookChain:
         """The hook that sends ``bucket`` (dense flat buckets only), or ``None``."""
         return self.hook if getattr(bucket, "hookable", False) else None
 
-    def launched(self, future: torch.futures.Future, hooked: bool) -> None:
-        """Bucket launched; ``hooked``: by the hook (the next one waits for it)."""
-        if hooked:
-            self._last = future
+    def launched(self, future: torch.futures.Future) -> None:
+        """A bucket was launched by the hook: the next one waits for ``future``."""
+        self._last = future
 
     def previous_done(self, bucket: object, *, wait: Callable[[Callable[[], object]], None] | None) -> bool:
         """Whether ``bucket`` may launch: no hook, or the previous bucket's hook is done (waited

@@ -25,8 +25,8 @@ from ..compile.backend import CompileTarget, GraphCompiler
 from ..errors import ConfigError, UnsupportedModelError
 from ..fleet import sharing_for
 from . import shutdown
-from .bucket import Peers
 from .collectives import agreed_token, broadcast_coalesced, group_device
+from .comm_errors import Peers
 from .ddp import Settings
 from .forward_check import ForwardCheck
 from .model_watch import ModelWatch, agree_on_change, meta_message, on_meta

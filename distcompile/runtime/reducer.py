@@ -48,7 +48,7 @@ from .. import _torch_compat as compat
 from ..errors import DistCompileError
 from ..planning.plan import Plan
 from ..planning.split import SplitPlan
-from .bucket import NO_PEERS, Peers, comm_error
+from .comm_errors import NO_PEERS, Peers, comm_error
 from .graph_memory import take_ownership
 from .hooks import CommHook, HookChain
 from .join import JoinState
@@ -252,10 +252,13 @@ class BucketReducer:
     def _launch(self, bucket: ReduceBucket, scale: float, *, is_last: bool) -> None:
         try:
             hook = self.hooks.for_bucket(bucket)
-            future = bucket.launch(self.group, scale, hook=hook, is_last=is_last)
-            self.hooks.launched(future, hooked=hook is not None)
+            bucket.launch(self.group, scale, hook=hook, is_last=is_last)
+            if hook is not None:
+                self.hooks.launched(bucket.completion())
             if self.observer is not None:
-                self.observer.bucket_launched(bucket.index, bucket.nbytes, len(bucket.params), future)
+                self.observer.bucket_launched(
+                    bucket.index, bucket.nbytes, len(bucket.params), bucket.completion()
+                )
         except DistCompileError:
             raise
         except Exception as exc:

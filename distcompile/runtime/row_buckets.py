@@ -108,7 +108,7 @@ class RowBucket(OneParamBucket):
         """What the last reduction sent (an empty tensor of the wire dtype before any)."""
         return self._sent if self._sent is not None else torch.empty(0, dtype=self.wire_dtype)
 
-    def launch(self, group: dist.ProcessGroup | None, scale: float, **_: object) -> torch.futures.Future:
+    def launch(self, group: dist.ProcessGroup | None, scale: float, **_: object) -> None:
         """Start the all-reduce of ``scale * grad``: of the rows any rank touched (agreed first,
         blocking on gloo), or of the whole table with this rank's produced flag appended."""
         p = self.params[0]
@@ -128,7 +128,6 @@ class RowBucket(OneParamBucket):
             sent = self._rows_of(group, grad, bound, scale)
         self._sent = sent
         self.work = compat.start_all_reduce(sent, group)
-        return self.work.get_future()
 
     def _rows_of(
         self, group: dist.ProcessGroup | None, grad: torch.Tensor | None, bound: int, scale: float

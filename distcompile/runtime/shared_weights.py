@@ -179,8 +179,8 @@ class SharedParts:
 
     def add_to(self, bucket: object) -> None:
         """After ``bucket`` is written: add the reduced parts of its parameters to their ``.grad``."""
-        if not self._of:
-            return
+        if not self._of or not self._of.keys() & map(id, bucket.params):  # type: ignore[attr-defined]
+            return  # most buckets: no parameter with parts (one set intersection, at C level)
         for p in bucket.params:  # type: ignore[attr-defined]
             holders = self._of.get(id(p))
             if not holders:

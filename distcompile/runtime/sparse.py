@@ -50,7 +50,7 @@ class SparseBucket(OneParamBucket):
             return 0
         return sent.values().numel() * sent.element_size() + sent.indices().numel() * 8
 
-    def launch(self, group: dist.ProcessGroup | None, scale: float, **_: object) -> torch.futures.Future:
+    def launch(self, group: dist.ProcessGroup | None, scale: float, **_: object) -> None:
         """All-reduce ``scale * grad`` (an empty gradient if this rank produced none)."""
         p = self.params[0]
         produced = self.ready[0] and p.grad is not None
@@ -64,7 +64,6 @@ class SparseBucket(OneParamBucket):
         self._sent = (grad.coalesce() * scale).coalesce()
         self.launched_at = time.perf_counter()
         self.work = dist.all_reduce(self._sent, group=group, async_op=True)
-        return self.work.get_future()
 
     def wait(self) -> None:
         work = self._take_work()

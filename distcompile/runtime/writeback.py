@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .bucket import FlatBucket, Peers, comm_error, raise_if_nonfinite
+from .bucket import FlatBucket
+from .comm_errors import Peers, comm_error, raise_if_nonfinite
 from .hooks import HookChain
 from .optim_in_backward import OptimizersInBackward
 from .schedule import OpenStep, ReduceBucket
@@ -85,7 +86,7 @@ class WriteBack:
 
     def _write(self, bucket: ReduceBucket, used: torch.Tensor | None = None) -> None:
         if isinstance(bucket, FlatBucket):
-            bucket.write(bucket.wire[bucket.numel :] if used is None else used)
+            bucket.write(used)
         else:
             bucket.write()
         self._parts.add_to(bucket)
