@@ -3,16 +3,6 @@
 Everything here runs only when ``wrap(..., logdir=...)`` is given; without it the engine
 installs no timers and no hooks for telemetry.
 
-Note [Polled ends on CPU]
-    On CPU an all-reduce ends on gloo's thread. A Python callback there (``future.then``)
-    must take the interpreter lock from the training thread, which keeps it until its
-    switch interval: it cost 2.7 ms a step on the host-overhead proxy (15 buckets, 0.18 ms
-    each), and it delayed the end it recorded as much. Instead the training thread ends a
-    span when it first sees the future done: at the end of each segment's backward, at
-    each launch, and when a wait for that bucket returns. An end is so late by at most one
-    segment's backward; a wait, the only time it matters to the exposed figure, is exact.
-    On CUDA the callback stays: it records an event on the stream that waits for NCCL.
-
 Note [Segment spans on CPU]
     On CPU the training thread computes whenever it is in the step and not waiting for an
     all-reduce, so the overlap figures need only the waits. Timing each segment (two marks
@@ -20,6 +10,9 @@ Note [Segment spans on CPU]
     only names the computation, so it is done in the steps drawn: those whose Chrome trace
     or TensorBoard picture is written. On CUDA every step times every segment: the
     computation there is the segments' GPU time.
+
+    All-reduces on CPU: Note [Polled ends on CPU] and Note [Steps not drawn on CPU] in
+    ``host_comm.py``.
 """
 
 from __future__ import annotations
@@ -38,6 +31,7 @@ from .. import _torch_compat as compat
 from ..errors import ConfigError
 from .clock import PendingSpan, PendingStep, PendingSteps, StepTimeline, clock_for
 from .figure import gantt_figure
+from .host_comm import HostComm
 from .instrument import instrument
 from .timeline import Span, chrome_trace, comm_figures, fill_gaps
 
@@ -102,7 +96,7 @@ class Telemetry:
         self.recompiles = 0
         self.graph_breaks: list[str] = []
         self.last_figures: dict[str, float | None] = {}
-        self._in_flight: list[tuple[PendingSpan, torch.futures.Future]] = []  # CPU: not seen done yet
+        self._host = HostComm(self.clock.mark)  # type: ignore[arg-type]  # CPU: all-reduces and waits
         self.timing = False  # whether this step times each segment (``instrument``)
         self._next_step = 0
         self._derived: dict[str, float] = {}
@@ -183,7 +177,7 @@ class Telemetry:
         origin = self.clock.mark() if self.clock.lazy else host  # on CPU: one reading, no shift
         self._open = PendingStep(-1, host, origin, serial_comm=self.serial_comm)
         self.timeline.begin()
-        self._in_flight = []  # a step that failed mid-way leaves nothing for this one to wait on
+        self._host.clear()  # a step that failed mid-way leaves nothing for this one to wait on
         # On CUDA the overlap figures need every segment's span; on CPU only a drawn step does
         # (the thread computes whenever it does not wait: Note [Segment spans on CPU]).
         k = self._next_step
@@ -197,50 +191,28 @@ class Telemetry:
         # the all-reduce, so an event recorded there marks its end on the GPU. On CPU, when
         # the training thread first sees it done (Note [Polled ends on CPU]).
         clock = self.clock
+        if not clock.lazy:
+            self._host.launched(index, clock.mark(), nbytes, nparams, future)  # type: ignore[arg-type]
+            return
         span = PendingSpan("comm", f"bucket {index}", clock.mark(), None, lane=index)
         span.args.update(bytes=nbytes, params=nparams)
-        if clock.lazy:
-            timeline = self.timeline
+        timeline = self.timeline
 
-            def done(fut: object) -> None:
-                span.end = clock.mark()
-                timeline.add(span)
+        def done(fut: object) -> None:
+            span.end = clock.mark()
+            timeline.add(span)
 
-            future.then(done)
-            return
-        self.poll()
-        self._in_flight.append((span, future))
+        future.then(done)
 
     def poll(self) -> None:
-        """On CPU: end the span of every all-reduce now done (called at each segment's backward
-        end, each launch and each wait; Note [Polled ends on CPU])."""
-        flying = self._in_flight
-        if not flying or not flying[0][1].done():  # they finish in launch order, nearly always
-            return
-        now, left = self.clock.mark(), []
-        for span, future in flying:
-            if future.done():
-                self._ended(span, now)
-            else:
-                left.append((span, future))
-        self._in_flight = left
-
-    def _ended(self, span: PendingSpan, at: float) -> None:
-        span.end = at
-        self.timeline.add(span)
+        """On CPU: end every all-reduce now done (called at each segment's backward end, each
+        launch and each wait; Note [Polled ends on CPU])."""
+        self._host.poll()
 
     def waited(self, index: int, start: float, end: float) -> None:
         # Host time: meaningful on CPU only (on CUDA the host does not wait for NCCL).
-        if self.clock.lazy:
-            return
-        for k, (span, _) in enumerate(self._in_flight):
-            if span.lane == index:  # the wait returned: it ended no later than that
-                self._ended(span, end)
-                del self._in_flight[k]
-                break
-        self.poll()
-        if end > start:
-            self.timeline.add(PendingSpan("wait", f"wait bucket {index}", start, end))
+        if not self.clock.lazy:
+            self._host.waited(index, start, end)
 
     def _wants_figure(self, step: int, compiled: bool, due: bool) -> bool:
         # A step that compiled (step 0: capture and the lazy backward compile) would show
@@ -260,14 +232,19 @@ class Telemetry:
         """
         step = self._open
         assert step is not None, "end_step without begin_step"
-        for span, future in self._in_flight:  # every bucket was waited for; a hook's may be left
-            future.wait()
-            self._ended(span, self.clock.mark())
-        self._in_flight = []
-        self.timing, self._next_step = False, stats.step + 1
+        drawn = self.timing or self._traced(stats.step)
+        self.timing, self._next_step, self._open = False, stats.step + 1, None
+        if not self.clock.lazy:
+            self._host.finish()
+            if not drawn:  # Note [Steps not drawn on CPU]
+                self.timeline.finish()
+                figures, _ = self._host.figures((step.host_origin, self.clock.mark()))  # type: ignore[arg-type]
+                self._derived = self._write_figures(stats, figures, self._host.lane_ms())
+                return dict(self._derived)
+            for span in self._host.spans():
+                self.timeline.add(span)
         step.step, step.end, step.spans = stats.step, self.clock.mark(), self.timeline.finish()
         step.extra = (stats, self._compiled_this_step, self._picture)
-        self._open = None
         self.pending.push(step)
         return self._write_ready(wait=False)
 
@@ -307,25 +284,13 @@ class Telemetry:
     ) -> dict:
         spans, computing = self._computation(spans)
         figures = comm_figures([(s.start, s.end) for s in spans if s.track == "comm"], computing)
-        derived = {**figures, "timed_step": stats.step}
-        self.last_figures = figures
         shown = {k: round(v, 3) for k, v in figures.items() if v is not None}
         for s in spans:
             if s.track == "step":
                 s.args.update(shown, wait_ms=round(stats.wait_ms, 3))
+        lanes = {s.lane: (s.end - s.start) * 1e3 for s in spans if s.track == "comm"}
+        derived = self._write_figures(stats, figures, lanes)
         w = self.writer
-        if w is not None:
-            values = {
-                "step/time_ms": stats.fwd_bwd_ms,
-                "step/wait_ms": stats.wait_ms,
-                "comm/megabytes": stats.bytes / 2**20,
-                "comm/tail_megabytes": stats.tail_bytes / 2**20,
-                **{f"step/{k}": v for k, v in figures.items() if v is not None},
-            }
-            for s in spans:
-                if s.track == "comm":
-                    values[f"comm/bucket_{s.lane}_ms"] = (s.end - s.start) * 1e3
-            self._scalars(values, stats.step)
         if self._traced(stats.step):
             self._write_trace(spans, stats.step, origin)
         if w is not None and self._wants_figure(stats.step, compiled, picture):
@@ -341,6 +306,21 @@ class Telemetry:
             done = time.perf_counter()
             self._next_picture_at = done + (done - drawing) / PICTURE_SHARE
         return derived
+
+    def _write_figures(self, stats: StepStats, figures: dict, lane_ms: Mapping[int, float]) -> dict:
+        """Keep a step's figures and write its scalars; returns what ``end_step`` reports."""
+        self.last_figures = figures
+        if self.writer is not None:
+            values = {
+                "step/time_ms": stats.fwd_bwd_ms,
+                "step/wait_ms": stats.wait_ms,
+                "comm/megabytes": stats.bytes / 2**20,
+                "comm/tail_megabytes": stats.tail_bytes / 2**20,
+                **{f"step/{k}": v for k, v in figures.items() if v is not None},
+                **{f"comm/bucket_{lane}_ms": ms for lane, ms in lane_ms.items()},
+            }
+            self._scalars(values, stats.step)
+        return {**figures, "timed_step": stats.step}
 
     def _write_trace(self, spans: list[Span], step: int, origin: float) -> None:
         all_spans = self._compile_spans + spans
