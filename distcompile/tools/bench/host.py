@@ -11,8 +11,8 @@ process on a gloo world of one (no peer: the all-reduces return at once). The va
 are built in the same process and stepped in turn, round after round, so load on the
 machine falls on all of them alike; each reports the median step time over the rounds,
 the same under ``no_sync()`` (the difference is what gradient synchronization costs the
-host: the reducer, and gloo's call per bucket), and, from one more step each, the Python
-calls (``sys.setprofile``) and the operations torch's profiler records (aten operators
+host: the reducer, and gloo's call per bucket), and, from more steps each, the Python
+calls (``sys.setprofile``, the median of three steps) and the operations torch's profiler records (aten operators
 and compiled graphs' calls; the kernels inside a compiled C++ or Triton graph are not
 separate events on CPU), and for distcompile its pieces and buckets.
 """
@@ -170,7 +170,8 @@ def run_host_overhead(*, rounds: int, block: int, warmup: int, variants: list[st
             "median_ms": 1e3 * statistics.median(times[n]),
             "no_sync_median_ms": 1e3 * statistics.median(unsynced[n]),
             "min_ms": 1e3 * min(times[n]),
-            "python_calls": _python_calls(one),
+            # The median of three steps: one step may draw telemetry's picture (matplotlib).
+            "python_calls": int(statistics.median(_python_calls(one) for _ in range(3))),
             "profiled_ops": _profiled_ops(one),
         }
         if isinstance(model, distcompile.DistCompiledModule):
