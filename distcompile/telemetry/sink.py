@@ -44,6 +44,10 @@ __all__ = ["PICTURE_SHARE", "Telemetry", "require_extra"]
 #: drawing TensorBoard pictures (0.1-0.4 s each): after one that took t seconds, the next
 #: is drawn t / PICTURE_SHARE seconds later.
 PICTURE_SHARE = 0.02
+#: Each step's scalars are one event, held and handed to TensorBoard's writer thread at most
+#: this often (and before any other event, so steps stay in order in the file): the thread
+#: then takes the interpreter lock once for many steps, not once a step.
+HAND_OVER_S = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +106,8 @@ class Telemetry:
         self._derived: dict[str, float] = {}
         self._summary: Any = None  # the last step's scalars, and their tags (``_scalars``)
         self._summary_tags: tuple[str, ...] = ()
+        self._held: list[bytes] = []  # steps' scalar events not yet handed over (``_hand_over``)
+        self._hand_at = 0.0
 
     # -- compile side (compile.backend.CompileObserver) ------------------------------------
     def instrument(self, compiled: Callable, graph_id: int) -> Callable:
@@ -133,6 +139,7 @@ class Telemetry:
         w = self.writer
         if w is None:
             return
+        self._hand_over()  # the steps before first: events in step order
         w.add_scalar(f"compile/graph_{graph_id}_s", end - start, step)
         for k, s in enumerate(segment_s):
             w.add_scalar(f"compile/graph_{graph_id}_piece_{k}_s", s, step)
@@ -302,6 +309,7 @@ class Telemetry:
                 f"{'-' if pct is None else f'{pct:.0f}%'}, exposed comm {figures['exposed_ms']:.1f} ms",
                 origin=origin,
             )
+            self._hand_over()
             w.add_figure("timeline/step", fig, stats.step, close=True)
             done = time.perf_counter()
             self._next_picture_at = done + (done - drawing) / PICTURE_SHARE
@@ -348,12 +356,22 @@ class Telemetry:
         summary = self._summary
         for value, v in zip(summary.value, values.values()):
             value.simple_value = float(v)
-        compat.write_summary(self.writer, summary, step)
+        self._held.append(compat.summary_event(summary, step))
+        if time.perf_counter() >= self._hand_at:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Queue the held steps' scalar events to the writer thread (``HAND_OVER_S``)."""
+        if self._held:
+            compat.write_events(self.writer, self._held)
+            self._held = []
+        self._hand_at = time.perf_counter() + HAND_OVER_S
 
     def close(self) -> None:
         """Write the steps still queued (on CUDA this waits for their events), then close the files."""
         self._write_ready(wait=True)
         if self.writer is not None:
+            self._hand_over()
             self.writer.flush()
             self.writer.close()
             self.writer = None
