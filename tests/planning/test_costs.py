@@ -65,9 +65,16 @@ def test_the_compute_rate_is_measured_with_every_rank_computing() -> None:
     cores = len(os.sched_getaffinity(0))
     if cores > 2:
         pytest.skip(f"needs more ranks than cores; this machine has {cores} cores for 4 ranks")
-    results = run_ranks(workers.compute_rate_together_and_alone, 4, timeout=120)
-    together = {r["together"] for r in results}
-    assert len(together) == 1, together  # agreed: the slowest rank's
     # 4 ranks on 2 cores compute at about half a lone rank's rate; under the suite's other
-    # worker a lone rank is slowed too (0.80x measured once under -n 2, 0.5x alone).
-    assert together.pop() < 0.9 * results[0]["alone"], results
+    # worker a lone rank is slowed too (0.80x measured once under -n 2, 0.5x alone), and
+    # when that worker's load falls on the lone rank's measurement and not on the four's,
+    # the two come out alike (1.01x seen once): up to three tries.
+    tries = []
+    for _ in range(3):
+        results = run_ranks(workers.compute_rate_together_and_alone, 4, timeout=120)
+        together = {r["together"] for r in results}
+        assert len(together) == 1, together  # agreed: the slowest rank's
+        tries.append(together.pop() / results[0]["alone"])
+        if tries[-1] < 0.9:
+            return
+    pytest.fail(f"together / alone in each try: {[round(t, 2) for t in tries]} (expected < 0.9)")
