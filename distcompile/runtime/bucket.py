@@ -190,7 +190,8 @@ class FlatBucket:
         """
         produced = _produced(self.ready, self.n_ready, self.params)
         if produced != self._checked:  # once per pattern of produced gradients
-            self._refuse_sparse(produced)
+            _refuse_sparse(self.names, self.params, produced)
+            self._checked = produced
         self.produced = produced
         self.launched_at = time.perf_counter()
         if hook is not None:
@@ -204,10 +205,6 @@ class FlatBucket:
         """A future that completes with the reduction launched last (made only when asked for:
         ``Work.get_future`` costs the host a few microseconds a bucket)."""
         return self.future if self.future is not None else self.work.get_future()  # type: ignore[union-attr]
-
-    def _refuse_sparse(self, produced: tuple[bool, ...]) -> None:
-        _refuse_sparse(self.names, self.params, produced)
-        self._checked = produced
 
     def local_flags(self) -> torch.Tensor:
         """1 for each parameter this rank produced a gradient for (reduced apart under a hook)."""
@@ -312,10 +309,6 @@ class OneParamBucket:
         self.ready = [False]
         self.n_ready = 0
         self.work = None
-
-    def _refuse_sparse(self, produced: tuple[bool, ...]) -> None:
-        _refuse_sparse(self.names, self.params, produced)
-        self._checked = produced
 
     def completion(self) -> torch.futures.Future:
         """A future that completes with the reduction launched last."""

@@ -42,7 +42,7 @@ class HostComm:
         >>> comm = HostComm(lambda: 5.0)
         >>> done = torch.futures.Future(); done.set_result(None)
         >>> comm.launched(0, 1.0, 64, 2, done); comm.waited(0, 2.0, 3.0); comm.finish()
-        >>> comm.figures((0.0, 4.0))[0]["exposed_ms"], comm.lane_ms()
+        >>> comm.figures((0.0, 4.0))["exposed_ms"], comm.lane_ms()
         (1000.0, {0: 2000.0})
     """
 
@@ -92,14 +92,11 @@ class HostComm:
                 record[_END] = self.now()
         self._first_open = len(self.flying)
 
-    def figures(
-        self, window: tuple[float, float]
-    ) -> tuple[dict[str, float | None], list[tuple[float, float]]]:
-        """``comm_figures`` of the step spanning ``window``, and the intervals that were computation
-        (on CPU: the step less its waits, Note [Segment spans on CPU] in ``sink.py``)."""
+    def figures(self, window: tuple[float, float]) -> dict[str, float | None]:
+        """``comm_figures`` of the step spanning ``window``; computation on CPU is the step less its
+        waits (Note [Segment spans on CPU] in ``sink.py``)."""
         computing = fill_gaps([], window, [(s, e) for s, e, _ in self.waits])
-        comm = [(r[_START], r[_END]) for r in self.flying]
-        return comm_figures(comm, computing), computing
+        return comm_figures([(r[_START], r[_END]) for r in self.flying], computing)
 
     def lane_ms(self) -> dict[int, float]:
         """Each bucket's all-reduce time, in milliseconds, by lane."""

@@ -245,7 +245,7 @@ class Telemetry:
             self._host.finish()
             if not drawn:  # Note [Steps not drawn on CPU]
                 self.timeline.finish()
-                figures, _ = self._host.figures((step.host_origin, self.clock.mark()))  # type: ignore[arg-type]
+                figures = self._host.figures((step.host_origin, self.clock.mark()))  # type: ignore[arg-type]
                 self._derived = self._write_figures(stats, figures, self._host.lane_ms())
                 return dict(self._derived)
             for span in self._host.spans():
