@@ -85,3 +85,31 @@ def split_parity(rank: int, world: int, mode: str, steps: int = 3) -> dict:
         "warnings": warnings,
         "layouts": layouts,
     }
+
+
+def row_bucket_sums(rank: int, world: int) -> dict:
+    """One ``RowBucket`` on a 64 x 3 table, on its own: each rank touches 4 rows, some touched by
+    several ranks (the same rows gathered twice), the last rank none (no gradient produced).
+    Returns the written ``.grad``, the expected average and what each rank sent."""
+    from distcompile.runtime.row_buckets import RowBucket
+
+    table = torch.nn.Parameter(torch.zeros(64, 3))
+    bucket = RowBucket(0, "table", table, compression=None, lookups=4)
+    expected = torch.zeros(64, 3)
+    for r in range(world - 1):  # every rank but the last produces a gradient
+        g = torch.zeros(64, 3)
+        g[[1, 2 * r + 5, 40 + r, 63]] = torch.arange(12, dtype=torch.float32).reshape(4, 3) + r * 0.25
+        expected += g / world
+        if r == rank:
+            table.grad = g
+    bucket.ready[0] = table.grad is not None
+    bucket.launch(None, 1.0 / world)
+    bucket.wait()
+    bucket.write()
+    return {
+        "grad": table.grad,
+        "expected": expected,
+        "sent": bucket.nbytes,
+        "collective": bucket.collective,
+        "table_bytes": table.numel() * 4,
+    }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["copy_all", "current_cuda_stream_key", "start_all_reduce", "tensor_versions"]
+__all__ = ["copy_all", "current_cuda_stream_key", "start_all_gather", "start_all_reduce", "tensor_versions"]
 
 
 def tensor_versions(tensors: list[torch.Tensor]) -> list[int]:
@@ -47,6 +47,23 @@ def start_all_reduce(
     """
     pg = torch.distributed.group.WORLD if group is None else group
     return pg.allreduce([torch.view_as_real(tensor) if tensor.is_complex() else tensor])
+
+
+def start_all_gather(
+    output: torch.Tensor, tensor: torch.Tensor, group: torch.distributed.ProcessGroup | None
+) -> torch.distributed.Work:
+    """``dist.all_gather_into_tensor(output, tensor, group=group, async_op=True)`` as the process
+    group's own call: ``output`` (``world`` times ``tensor``'s size) gets every rank's ``tensor``
+    in rank order. For a group this rank belongs to.
+
+    Checked: 2.13, 2.15 (``ProcessGroup._allgather_base``; 2.13 deprecates the public call in
+    favour of ``all_gather_single``).
+
+    Example:
+        >>> # work = start_all_gather(torch.empty(world * 4), torch.ones(4), None); work.wait()
+    """
+    pg = torch.distributed.group.WORLD if group is None else group
+    return pg._allgather_base(output, tensor)
 
 
 def current_cuda_stream_key() -> tuple[int, int, int]:

@@ -86,12 +86,14 @@ def graph_costs(
 
 
 def _rows_nbytes(captured: CapturedGraph, ranks: int) -> dict[str, int]:
-    # Bytes of the rows a step looks up in each table, over all ranks (at most the table).
+    # What a row bucket costs the link, as all-reduced bytes (the model's unit), at most the
+    # table: every rank's looked-up rows with their int64 indices, all-gathered, which moves
+    # half the bytes of an all-reduce of the same size (Note [Rows gathered, not agreed]).
     out = {}
     for name, count in lookup_indices(captured).items():
         table = captured.params[name]
         row = table.numel() // max(table.shape[0], 1) * table.element_size() if table.dim() else 0
-        out[name] = min(table.numel() * table.element_size(), count * ranks * row)
+        out[name] = min(table.numel() * table.element_size(), count * ranks * (row + 8) // 2)
     return out
 
 

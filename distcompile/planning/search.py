@@ -27,9 +27,9 @@ class SharedUse:
         readers: Indices of every node that reads it, ascending.
         lookups: Those of ``readers`` that read it as an embedding table.
         nbytes: Its gradient bytes.
-        rows_nbytes: Estimated bytes of the rows one step looks up, over all ranks (at
-            most ``nbytes``): what its own bucket sends when its home segment only looks
-            rows up.
+        rows_nbytes: What its own bucket costs the link when its home segment only looks
+            rows up, as all-reduced bytes (at most ``nbytes``): the rows one step looks up
+            over all ranks, with their indices, all-gathered (half an all-reduce's bytes).
     """
 
     first: int
@@ -54,8 +54,8 @@ class GraphCosts:
             which ``compression_scope="tail"`` compresses alone.
         split_shared: Shared parameters are reduced by use (``Config.split_shared``, when
             the backend can): price their buckets that way.
-        rows_nbytes: Parameter name -> estimated bytes of the rows one step looks up in
-            it, over all ranks (tables not named: the whole table).
+        rows_nbytes: Parameter name -> what its row bucket costs the link, as all-reduced
+            bytes (``SharedUse.rows_nbytes``; tables not named: the whole table).
         cpu_s_per_byte: Backward seconds lost per byte all-reduced while backward runs
             (communication threads sharing the rank's CPU cores).
         timed_nodes: How many of ``node_backward_s`` were timed rather than counted (for

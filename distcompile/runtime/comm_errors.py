@@ -100,7 +100,7 @@ def comm_error(bucket: object, step: int, peers: Peers, doing: str, exc: Excepti
     rank = dist.get_rank() if dist.is_initialized() else 0
     head = (
         f"rank {rank}: step {step}, bucket {bucket.index}: {what_happened(exc, peers.at)} while {doing} "  # type: ignore[attr-defined]
-        f"its all-reduce ({bucket.nbytes} bytes, {len(bucket.params)} parameters)"  # type: ignore[attr-defined]
+        f"its {getattr(bucket, 'collective', 'all-reduce')} ({bucket.nbytes} bytes, {len(bucket.params)} parameters)"  # type: ignore[attr-defined]
     )
     logging.getLogger("distcompile").error("%s", head)
     _events.emit("error", error="CommunicationError", message=head)

@@ -1,24 +1,32 @@
 """An embedding table's gradient reduced by the rows looked up (Note [Shared weights reduced by use]).
 
-The gradient an ``nn.Embedding`` lookup gives its table is zero outside the rows of the
-tokens seen in the step. ``RowBucket`` first all-reduces which rows each rank touched (one
-small vector: a count per row, plus whether the rank produced a gradient at all), then
-all-reduces just those rows. Rows outside the union are zero on every rank, so their
-average is zero: the result is exactly the average gradient. Any earlier accumulation
-(``no_sync``) or a use that was not split off makes more rows nonzero, and the bucket
-reduces what is there.
+Note [Rows gathered, not agreed]
+    The gradient an ``nn.Embedding`` lookup gives its table is zero outside the rows of the
+    tokens seen in the step. ``RowBucket`` sends just those: each rank finds the rows it
+    touched, compacts them on the device with their indices, and one all-gather gives every
+    rank every rank's rows; each adds them into ``.grad`` itself. Rows no rank touched are
+    zero everywhere, so the sum, taken ``1/world`` each, is the average gradient. Any
+    earlier accumulation (``no_sync``) or a use not split off makes more rows nonzero, and
+    the bucket sends what is there (whole, when the step began with a ``.grad``).
 
-No host read: the rows all-reduce has a size fixed when the buckets are built, the
-*bound*: the indices the step's graphs look up in the table on each rank (known at
-capture, from the lookups' shapes), times the ranks, which no union can exceed. The ranks
-agree on it with the bucket layout (``layout.py``), and the rows are compacted on the
-device to that size (``nonzero_static``; the padding sends zeros). A table whose bound is
-not under ``ROWS_WHEN_BELOW`` of its rows, or not known (a symbolic size, under dynamic
-shapes), or whose ``.grad`` held a gradient when the step began (accumulated under
-``no_sync``: more rows than the step looks up), goes whole, as a ``FlatBucket`` would, and never asks which rows were touched;
-so does a positional table, whose rows are all used. Whether a rank that produced no
-gradient itself gets one (``.grad`` created) is the one decision left to the host; it is
-read only then, as flat buckets do.
+    * No host read, no blocking collective: what each rank sends has a size fixed when the
+      buckets are built, the *bound*: the indices the step's graphs look up in the table on
+      each rank (known at capture, from the lookups' shapes), which no rank's touched rows
+      can exceed. The ranks agree on it with the bucket layout (``layout.py``); the rows
+      are compacted to it with ``nonzero_static`` (the padding points at the last row and
+      carries zeros). Until 2026-11-29 the ranks first all-reduced which rows each touched
+      and then all-reduced the union: two collectives, the first one waited for on the
+      host, for as many bytes on the wire as the one all-gather sends twice.
+    * The same sum on every rank: the gathered buffer is the same bytes everywhere and
+      the rows are added in one deterministic order, ``index_add_`` on CPU (a sequential
+      loop) and ``index_put_(accumulate=True)`` elsewhere (sorted indices on CUDA, where
+      ``index_add_`` adds duplicates with atomics, in an order that can differ by rank).
+    * A table whose bound, over all ranks, is not under ``ROWS_WHEN_BELOW`` of its rows,
+      or is not known (a symbolic size, under dynamic shapes), or whose ``.grad`` held a
+      gradient when the step began, goes whole, all-reduced as a ``FlatBucket`` would be;
+      so does a positional table, whose rows are all used. Whether a rank that produced no
+      gradient itself gets one (``.grad`` created) is the one decision left to the host; it
+      is read only then, as flat buckets do.
 """
 
 from __future__ import annotations
@@ -47,24 +55,54 @@ DENSE_FOR = 100
 def _touched_rows(grad: torch.Tensor) -> torch.Tensor:
     """Which rows of a 2-D gradient hold a nonzero (NaN included): a bool per row.
 
-    On CPU the sum of the row's absolute values is tested instead of ``ne(0).any(dim=1)``:
-    the same answer (a sum of non-negative values is zero only when each is; an Inf or NaN
-    stays nonzero), 2-2.8x faster there, where a reduction over short boolean rows is the
-    slow case (one thread: 69-82 against 136-225 us on an 8,192 x 8 table, 4.1-5.1 against
-    9.5-13.2 ms on 8,192 x 768). On CUDA it would be one more kernel a step (not measured
-    there): unchanged.
+    On CPU the rows' absolute values are summed by a matrix-vector product and the sums
+    tested instead of ``ne(0).any(dim=1)``: the same answer (a sum of non-negative values
+    is zero only when each is; an Inf or NaN stays nonzero), where a reduction over short
+    rows is the CPU's slow case (one thread, 8,192 x 8 fp32: 49 us against 128 us for
+    ``abs().sum(dim=1)`` and 220 us for ``ne(0).any(dim=1)``; 8,192 x 768: 4.1 against 4.2
+    and 11.9 ms). On CUDA it would be one more kernel a step (not measured there): unchanged.
 
     Example:
         >>> _touched_rows(torch.tensor([[0.0, -1e-40], [0.0, 0.0], [float("nan"), 0.0]])).tolist()
         [True, False, True]
     """
     if grad.device.type == "cpu":
-        return grad.abs().sum(dim=1).ne(0)
+        return torch.mv(grad.abs(), grad.new_ones(grad.shape[1])).ne(0)
     return grad.ne(0).any(dim=1)
 
 
+def _add_rows(grad: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """``grad[index[i]] += rows[i]`` for every ``i``, duplicates added in a fixed order
+    (Note [Rows gathered, not agreed])."""
+    if grad.device.type == "cpu":
+        grad.index_add_(0, index, rows)
+    else:
+        grad.index_put_((index,), rows, accumulate=True)
+
+
+class _Wire:
+    """What one rank sends and what the all-gather brings back: ``bound`` rows of a table in
+    ``dtype``, their indices (int64) and whether the rank produced a gradient, as bytes, with
+    views into each part. The same layout on every rank."""
+
+    def __init__(self, bound: int, width: int, dtype: torch.dtype, world: int, device: torch.device) -> None:
+        self.bound = bound
+        rows_at = 8 * (bound + 1)  # indices, then the flag, then the rows: all aligned
+        rows_end = rows_at + bound * width * dtype.itemsize
+        size = rows_end + -rows_end % 8  # each rank's block starts aligned in the gathered buffer
+        self.send = torch.zeros(size, dtype=torch.uint8, device=device)
+        self.index = self.send[: 8 * bound].view(torch.int64)
+        self.flag = self.send[8 * bound : rows_at].view(torch.int64)
+        self.rows = self.send[rows_at:rows_end].view(dtype).view(bound, width)
+        self.received = torch.zeros(world * size, dtype=torch.uint8, device=device)
+        blocks = self.received.view(world, size)
+        self.all_index = blocks[:, : 8 * bound].view(torch.int64)  # (world, bound)
+        self.all_flags = blocks[:, 8 * bound : rows_at].view(torch.int64)  # (world, 1)
+        self.all_rows = blocks[:, rows_at:rows_end].view(dtype)  # (world, bound * width)
+
+
 class RowBucket(OneParamBucket):
-    """One 2-D parameter reduced by the rows any rank touched (``FlatBucket``'s interface).
+    """One 2-D parameter reduced by the rows each rank touched (``FlatBucket``'s interface).
 
     ``lookups``: the indices a step looks up in it on each rank (0: not known, whole table).
 
@@ -80,8 +118,8 @@ class RowBucket(OneParamBucket):
         super().__init__(index, name, param)
         self.wire_dtype = WIRE_DTYPES[compression] or param.dtype
         self.lookups = lookups
-        self.rows: torch.Tensor | None = None  # the union's row indices, padded to the bound; None: whole
-        self._keep: torch.Tensor | None = None  # which of ``rows`` are rows (not padding)
+        self.gathered: _Wire | None = None  # the last step's rows, indices and flags; None: whole
+        self._wires: dict[tuple[int, int], _Wire] = {}  # (rows a rank sends, world) -> its buffers
         self._flag: torch.Tensor | None = None  # > 0 when some rank produced a gradient
         self.found_dense = False  # whole tables (by bound) tell the parts to leave (parts.settle)
         # .grad held a gradient before the step (accumulated under no_sync, or zeros left by
@@ -90,18 +128,24 @@ class RowBucket(OneParamBucket):
         self._sent: torch.Tensor | None = None
 
     def bound(self, world: int) -> int | None:
-        """Rows the all-reduce carries, or ``None``: the whole table."""
+        """Rows one rank sends, or ``None``: the whole table (its rows, over all ranks, would not
+        be under ``ROWS_WHEN_BELOW`` of the table's, or are not known)."""
         n = self.params[0].shape[0]
-        rows = min(n, world * self.lookups)
-        return rows if self.lookups and not self.accumulated and rows <= ROWS_WHEN_BELOW * n else None
+        rows = min(n, self.lookups)
+        return rows if self.lookups and not self.accumulated and world * rows <= ROWS_WHEN_BELOW * n else None
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the last reduction (the rows with the vector of rows touched, or the table)."""
+        """Bytes this rank sent in the last reduction (its rows with their indices, or the table)."""
         p, sent = self.params[0], self._sent
         if sent is None:
             return p.numel() * self.wire_dtype.itemsize
-        return sent.numel() * sent.element_size() + (0 if self.rows is None else (p.shape[0] + 1) * 4)
+        return sent.numel() * sent.element_size()
+
+    @property
+    def collective(self) -> str:
+        """The collective of the last reduction, for error messages."""
+        return "all-reduce" if self.gathered is None else "all-gather"
 
     @property
     def wire(self) -> torch.Tensor:
@@ -109,51 +153,61 @@ class RowBucket(OneParamBucket):
         return self._sent if self._sent is not None else torch.empty(0, dtype=self.wire_dtype)
 
     def launch(self, group: dist.ProcessGroup | None, scale: float, **_: object) -> None:
-        """Start the all-reduce of ``scale * grad``: of the rows any rank touched (agreed first,
-        blocking on gloo), or of the whole table with this rank's produced flag appended."""
+        """Start the reduction of ``scale * grad``: an all-gather of the rows this rank touched,
+        or an all-reduce of the whole table with this rank's produced flag appended."""
         p = self.params[0]
         grad = p.grad if self.ready[0] else None
         self.produced = (grad is not None,)
         self.launched_at = time.perf_counter()
-        bound = self.bound(dist.get_world_size(group))
+        world = dist.get_world_size(group)
+        bound = self.bound(world)
         self.found_dense = bound is None
         if bound is None:  # the whole table, flag last (as a FlatBucket)
-            self.rows = None
+            self.gathered = None
             sent = torch.zeros(p.numel() + 1, dtype=self.wire_dtype, device=p.device)
             if grad is not None:
                 sent[:-1] = grad.reshape(-1) * scale
                 sent[-1:].fill_(1.0)  # a fill kernel: `sent[-1] = 1.0` copies from the host
             self._flag = sent[-1:]
-        else:
-            sent = self._rows_of(group, grad, bound, scale)
-        self._sent = sent
-        self.work = compat.start_all_reduce(sent, group)
+            self._sent = sent
+            self.work = compat.start_all_reduce(sent, group)
+            return
+        wire = self._wire(bound, world)
+        self._pack(wire, grad, scale)
+        self.gathered, self._sent = wire, wire.send
+        self.work = compat.start_all_gather(wire.received, wire.send, group)
 
-    def _rows_of(
-        self, group: dist.ProcessGroup | None, grad: torch.Tensor | None, bound: int, scale: float
-    ) -> torch.Tensor:
-        """``scale * grad`` on the rows some rank touched, ``bound`` of them (padding: zeros),
-        compacted on the device."""
-        p = self.params[0]
-        touched = torch.zeros(p.shape[0] + 1, dtype=torch.float32, device=p.device)
-        if grad is not None:
-            touched[:-1] = _touched_rows(grad.reshape(p.shape[0], -1))
-            touched[-1:].fill_(1.0)
-        compat.start_all_reduce(touched, group).wait()  # blocking: the union sizes the rows sent
-        self._flag = touched[-1:]
-        # The counts are sums of 0s and 1s: nonzero where some rank touched the row.
-        found = torch.nonzero_static(touched[:-1], size=bound, fill_value=p.shape[0]).squeeze(1)
-        self._keep = (found < p.shape[0]).unsqueeze(1)
-        self.rows = found.clamp(max=p.shape[0] - 1)
+    def _wire(self, bound: int, world: int) -> _Wire:
+        wire = self._wires.get((bound, world))
+        if wire is None:
+            p = self.params[0]
+            wire = _Wire(bound, p.shape[1], self.wire_dtype, world, p.device)
+            self._wires = {(bound, world): wire}  # one size at a time (the bound is agreed, fixed)
+        return wire
+
+    def _pack(self, wire: _Wire, grad: torch.Tensor | None, scale: float) -> None:
+        """This rank's touched rows of ``scale * grad``, compacted on the device to the bound, with
+        their indices (padding: the last row, with zeros) and its produced flag."""
+        n = self.params[0].shape[0]
         if grad is None:
-            return torch.zeros((bound, *p.shape[1:]), dtype=self.wire_dtype, device=p.device)
-        return grad.index_select(0, self.rows).mul_(self._keep).mul_(scale).to(self.wire_dtype)
+            wire.send.zero_()
+            wire.index.fill_(n - 1)
+            return
+        found = torch.nonzero_static(_touched_rows(grad), size=wire.bound, fill_value=n).squeeze(1)
+        torch.clamp(found, max=n - 1, out=wire.index)
+        rows = grad.index_select(0, wire.index).mul_(found.lt(n).unsqueeze(1))
+        if scale != 1.0:
+            rows.mul_(scale)
+        wire.rows.copy_(rows)  # and cast, under compression
+        wire.flag.fill_(1)
 
     def done(self) -> bool:
         return self.work is not None and self.work.is_completed()
 
     def wait(self) -> None:
         self._take_work()
+        if self.gathered is not None:
+            self._flag = self.gathered.all_flags.sum().reshape(1)
 
     def write(self, used: torch.Tensor | None = None) -> None:
         """``.grad`` is the average (zero outside the rows); left as it was if no rank produced one."""
@@ -168,14 +222,18 @@ class RowBucket(OneParamBucket):
                 p.grad = torch.zeros_like(p)
             else:
                 before = p.grad.clone()
-        if self.rows is None:
+        wire = self.gathered
+        if wire is None:
             p.grad.copy_(sent[:-1].view_as(p))
         else:  # padding rows carry zeros (to the last row): adding them changes nothing
             p.grad.zero_()
-            p.grad.index_add_(0, self.rows, sent.to(p.grad.dtype))
+            rows = wire.all_rows.reshape(-1, p.shape[1]).to(p.grad.dtype)
+            _add_rows(p.grad, wire.all_index.reshape(-1), rows)
         if before is not None:
             torch.where(flag[0] > 0, p.grad, before, out=p.grad)
 
     def nonfinite(self) -> list[str]:
-        sent = self._sent
-        return [] if sent is None or bool(torch.isfinite(sent).all()) else list(self.names)
+        if self._sent is None:
+            return []
+        sent = self._sent if self.gathered is None else self.gathered.all_rows
+        return [] if bool(torch.isfinite(sent).all()) else list(self.names)

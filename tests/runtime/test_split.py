@@ -87,3 +87,15 @@ def test_split_off_is_one_reduction_per_parameter_and_verify_accepts_the_split()
     assert not any("@" in n for b in off[0]["buckets"] for n in b[1])
     checked = run_ranks(split_workers.split_parity, 2, "verify")  # raises VerificationError if wrong
     _check(checked)
+
+
+def test_a_row_bucket_gathers_each_ranks_rows_and_sums_them_alike_everywhere() -> None:
+    # Note [Rows gathered, not agreed]: rows touched by several ranks are added once each, a
+    # rank without a gradient sends padding only, and every rank writes the same bits.
+    results = run_ranks(split_workers.row_bucket_sums, 3)
+    for rank, res in enumerate(results):
+        assert res["collective"] == "all-gather", res["collective"]
+        assert res["sent"] < res["table_bytes"] / 3, (res["sent"], res["table_bytes"])
+        assert res["grad"] is not None, f"rank {rank}: no .grad although two ranks produced one"
+        np.testing.assert_allclose(res["grad"], res["expected"], rtol=1e-6, atol=1e-7, err_msg=f"rank {rank}")
+        assert np.array_equal(res["grad"], results[0]["grad"]), f"rank {rank}: a sum apart from rank 0's"
