@@ -35,7 +35,7 @@ Algorithm
     faster): that bucket can only go after backward ends, whatever the link does, while
     the simulated queue of the others rests on a measured bandwidth that can be off. With shared parameters reduced by use (Note [Shared weights
     reduced by use]) buckets are priced as they will be sent: a later use adds the
-    parameter's bytes, in a bucket of its own, to its segment, and a table its home
+    parameter's bytes to its segment's bucket, and a table its home
     segment only looks rows up in costs the rows a step touches (``search.py``).
 
 Notes

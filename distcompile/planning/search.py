@@ -109,7 +109,7 @@ def _candidates(
 
 def segment_bytes(shared: Sequence[SharedUse], start: int, stop: int) -> tuple[int, int]:
     """How reducing by use changes the bytes of segment ``nodes[start:stop]``: the change to
-    its own bucket (rows instead of a table) and the bytes of its parts' bucket.
+    its own bucket (rows instead of a table) and the bytes of its parts (which travel in it).
 
     Example:
         >>> use = SharedUse(first=0, readers=(0, 5), lookups=(0,), nbytes=800, rows_nbytes=100)
@@ -178,7 +178,8 @@ def starts_by_cost(
         own, parts = segment_bytes(shared, points[a], points[b])
         own += byte_below[points[a]] - byte_below[points[b]]
         scale = costs.first_segment_wire_scale if a == 0 else costs.wire_scale
-        return sum(costs.latency_s + x * scale / costs.bytes_per_s for x in (own, parts) if x > 0)
+        nbytes = own + parts  # the parts travel in the segment's bucket (``SplitPlan.groups``)
+        return costs.latency_s + nbytes * scale / costs.bytes_per_s if nbytes > 0 else 0.0
 
     inf = float("inf")
     kmax = min(_MAX_SEGMENTS, m)

@@ -11,9 +11,10 @@ Algorithm
     results added. For every shared parameter, each compiled piece that reads it in a
     later segment than its first use gives a *part*: the piece's backward node hands its
     contribution to the reducer instead of to the parameter (``runtime/split.py``), and
-    the part travels in its own bucket, launched in gradient order with the buckets of
-    its segment. The parameter's own bucket then carries only what the first-use segment
-    (and any earlier accumulation) put in ``.grad``; once it is written the parts are
+    the part travels in the last bucket of its segment (ready at the same time: the same
+    piece's backward gives both), or in a bucket of its own where the segment has none.
+    The parameter's own bucket then carries only what the first-use segment (and any
+    earlier accumulation) put in ``.grad``; once it is written the parts are
     added. When the first-use segment only looks rows up (``nn.Embedding``), that rest is
     nonzero only on the rows seen in the step: the parameter's bucket reduces just the
     rows some rank touched, when that is cheaper (``runtime/row_buckets.py``).
@@ -21,8 +22,8 @@ Algorithm
 Notes
     Pure: plan and node descriptions in, parts and groups out. The same on every rank.
     A part whose piece's backward does not hand it over (no such autograd edge) simply
-    stays in ``.grad`` and is reduced with the rest; the part's bucket then carries
-    zeros. Either way the sum is the gradient eager DDP computes.
+    stays in ``.grad`` and is reduced with the rest; its place in the bucket then
+    carries zeros. Either way the sum is the gradient eager DDP computes.
 """
 
 from __future__ import annotations
@@ -71,29 +72,29 @@ class SplitPlan:
     lookups: tuple[tuple[str, int], ...] = ()
 
     def groups(self, plan: Plan) -> list[tuple[str, ...]]:
-        """The plan's buckets in gradient order with one group of part names per segment that
-        has parts, placed after that segment's own bucket (before any earlier segment's).
+        """The plan's buckets in gradient order, each segment's part names added to that segment's
+        last bucket (one collective fewer than a bucket of their own, ready at the same time: the
+        same piece's backward gives both); a group of their own, in that place, for a segment
+        without a bucket.
 
         Example:
             >>> nodes = [NodeInfo("emb", ("w",), 1, ("w",)), NodeInfo("mid", ("v",), 2),
-            ...          NodeInfo("head", ("w",), 3)]
+            ...          NodeInfo("head", ("w", "u"), 3)]
             >>> plan = plan_graph_for_doc(nodes)
             >>> split_shared(plan, nodes).groups(plan)
-            [('v',), ('w@1',), ('w',)]
+            [('u', 'w@2'), ('v',), ('w',)]
         """
-        pending = sorted(self.parts, key=lambda p: -p.segment)
+        parts: dict[int, tuple[str, ...]] = {}
+        for p in self.parts:
+            parts[p.segment] = (*parts.get(p.segment, ()), p.name)
+        last = {b.segment: i for i, b in enumerate(plan.buckets)}  # each segment's last bucket
+        alone = sorted((s for s in parts if s not in last), reverse=True)
         out: list[tuple[str, ...]] = []
-
-        def emit_above(segment: int) -> None:
-            while pending and pending[0].segment > segment:
-                seg = pending[0].segment
-                out.append(tuple(p.name for p in pending if p.segment == seg))
-                pending[:] = [p for p in pending if p.segment != seg]
-
-        for b in plan.buckets:
-            emit_above(b.segment)
-            out.append(b.params)
-        emit_above(-1)
+        for i, b in enumerate(plan.buckets):
+            while alone and alone[0] > b.segment:
+                out.append(parts[alone.pop(0)])
+            out.append(b.params + parts.get(b.segment, ()) if last[b.segment] == i else b.params)
+        out.extend(parts[s] for s in alone)
         return out
 
     def describe(self) -> str:
@@ -101,14 +102,14 @@ class SplitPlan:
 
         Example:
             >>> SplitPlan((Part("wte", 4, 2),), ("wte",)).describe()
-            'split: wte: the use in piece 4 (segment 2) is reduced early in its own bucket; the rest, rows only when fewer'
+            'split: wte: the use in piece 4 (segment 2) is reduced early, in the bucket of its segment; the rest, rows only when fewer'
         """
         lines = []
         for name in dict.fromkeys(p.param for p in self.parts):
             uses = ", ".join(f"piece {p.piece} (segment {p.segment})" for p in self.parts if p.param == name)
             rest = "rows only when fewer" if name in self.rows else "the rest with its bucket"
             lines.append(
-                f"split: {name}: the use in {uses} is reduced early in its own bucket; the rest, {rest}"
+                f"split: {name}: the use in {uses} is reduced early, in the bucket of its segment; the rest, {rest}"
             )
         for name in self.rows:
             if not any(p.param == name for p in self.parts):

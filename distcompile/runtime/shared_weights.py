@@ -5,7 +5,7 @@ of the parameter (no memory of its own) whose ``.grad`` is the part's gradient. 
 holder's bucket comes before the parameter's own bucket in launch order, so by the time
 the parameter's reduced gradient is written, its parts are too, and are added to it.
 
-A table whose row bucket found most rows touched (every rank sees the same union) gains
+A table whose row bucket found it could carry most rows (the bound, over all ranks) gains
 nothing from its parts: its own bucket carries the whole table at the end anyway, and the
 parts' bytes are sent twice. For the next ``DENSE_FOR`` steps it is reduced whole, as under
 DDP (no parts, no row question); then the split is tried again. Not under ``Join``, where a

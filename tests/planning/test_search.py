@@ -52,9 +52,8 @@ def _simulate(starts: list[int], nodes: list[NodeInfo], sizes: dict, costs: Grap
             elif costs.split_shared and f < s and here:
                 parts += sizes[p]
             scale = costs.first_segment_wire_scale if j == 0 else costs.wire_scale
-        for nbytes in (own, parts):
-            if nbytes:
-                t_link = max(t_link, ready) + costs.latency_s + nbytes * scale / costs.bytes_per_s
+        if own + parts:  # the parts travel in the segment's bucket
+            t_link = max(t_link, ready) + costs.latency_s + (own + parts) * scale / costs.bytes_per_s
     backward = sum(costs.node_backward_s) + k * costs.segment_backward_s
     return max(backward, t_link) + k * costs.segment_forward_s
 

@@ -50,8 +50,10 @@ def test_tied_embedding_reduced_by_use_matches_eager_ddp(mode: str, world: int) 
     assert "split: wte.weight" in res["split"], res["split"]
     first = res["layouts"][0]  # the first step's buckets
     names = [b[1] for b in first]
-    part = names.index(["wte.weight@" + res["split"].split("piece ")[1].split(" ")[0]])
-    assert part < names.index(["wte.weight"]), names  # the output projection's share goes early
+    holder = "wte.weight@" + res["split"].split("piece ")[1].split(" ")[0]
+    part = next(i for i, b in enumerate(names) if holder in b)
+    assert part < names.index(["wte.weight"]), names  # the output projection's share goes early,
+    assert len(names[part]) > 1, names  # in the bucket of its segment (ln_f's)
     assert first[names.index(["wte.weight"])][0] == "RowBucket", first
     assert not [w for w in res["warnings"] if "no captured graph" in w], res[
         "warnings"
