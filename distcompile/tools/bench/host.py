@@ -162,6 +162,7 @@ def run_host_overhead(*, rounds: int, block: int, warmup: int, variants: list[st
         if (r + 1) % max(1, rounds // 4) == 0:
             print(f"[host] round {r + 1}/{rounds}", flush=True)
     figures: dict[str, dict] = {}
+    base = times.get("ddpopt")
     for n in variants:
         model, opt, batch = models[n], opts[n], batches[0]
         one = lambda model=model, opt=opt, batch=batch: _step(model, opt, batch)  # noqa: E731
@@ -170,6 +171,7 @@ def run_host_overhead(*, rounds: int, block: int, warmup: int, variants: list[st
             "median_ms": 1e3 * statistics.median(times[n]),
             "no_sync_median_ms": 1e3 * statistics.median(unsynced[n]),
             "min_ms": 1e3 * min(times[n]),
+            **(_paired(times[n], base) if base else {}),
             # The median of three steps: one step may draw telemetry's picture (matplotlib).
             "python_calls": int(statistics.median(_python_calls(one) for _ in range(3))),
             "profiled_ops": _profiled_ops(one),
@@ -191,24 +193,42 @@ def run_host_overhead(*, rounds: int, block: int, warmup: int, variants: list[st
     }
 
 
+def _paired(steps: list[float], base: list[float]) -> dict:
+    """Each step over DDPOptimizer's step of the same round and batch: the median and quartiles
+    of those ratios. Steady against the machine's speed, which moved by up to 40% within an
+    hour here (2026-11-29): a ratio of medians taken over the whole run mixes fast and slow
+    minutes.
+
+    Example:
+        >>> _paired([2.0, 4.0, 6.0], [1.0, 2.0, 4.0])
+        {'paired_ratio': 2.0, 'paired_q1': 1.75, 'paired_q3': 2.0}
+    """
+    ratios = sorted(a / b for a, b in zip(steps, base))
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return {"paired_ratio": statistics.median(ratios), "paired_q1": q1, "paired_q3": q3}
+
+
 def print_table(result: dict) -> None:
     """The figures as a table a person reads (``-``: not measured for that variant)."""
     rows = result["variants"]
     base = rows.get("ddpopt", {}).get("median_ms")
     print(
-        f"\n{'variant':<22} {'median ms':>9} {'vs DDPOpt':>9} {'no_sync ms':>10} {'sync ms':>7} {'pieces':>6} "
+        f"\n{'variant':<22} {'median ms':>9} {'vs DDPOpt':>9} {'paired':>6} {'no_sync ms':>10} {'sync ms':>7} {'pieces':>6} "
         f"{'buckets':>7} {'Py calls':>9} {'ops':>6}"
     )
     for n, r in rows.items():
         ratio = f"{r['median_ms'] / base:.2f}x" if base else "-"
+        paired = f"{r['paired_ratio']:.3f}" if "paired_ratio" in r else "-"
         print(
-            f"{n:<22} {r['median_ms']:>9.2f} {ratio:>9} {r['no_sync_median_ms']:>10.2f} "
+            f"{n:<22} {r['median_ms']:>9.2f} {ratio:>9} {paired:>6} {r['no_sync_median_ms']:>10.2f} "
             f"{r['median_ms'] - r['no_sync_median_ms']:>7.2f} {r.get('pieces', '-'):>6} {r.get('buckets', '-'):>7} "
             f"{r['python_calls']:>9} {r['profiled_ops']:>6}"
         )
     print(
         "sync ms: the median step less the median step under no_sync() (what synchronizing gradients costs the host)"
     )
+    if base:
+        print("paired: the median of each step over DDPOptimizer's step with the same round and batch")
     print(f"\n{result['model']}; {result['machine']}; torch {result['torch']}")
 
 
