@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import sys
-import time
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
@@ -36,8 +35,6 @@ __all__ = [
     "tensor_grad_hooks",
     "tree_leaves",
     "tree_map_only",
-    "summary_event",
-    "write_events",
 ]
 
 #: Names torch gives its communication threads (Linux thread names): gloo's work loops and
@@ -302,36 +299,6 @@ def remove_optimizer_in_backward_hooks(params: list[torch.Tensor]) -> None:
             handle.remove()
         if p in handles:
             handles[p] = []
-
-
-# -- TensorBoard ------------------------------------------------------------------------------
-def summary_event(summary: Any, step: int) -> bytes:
-    """One TensorBoard event holding ``summary`` (many scalars) at ``step``, timed now, serialized
-    as ``SummaryWriter`` would write it; ``write_events`` hands it over.
-
-    ``SummaryWriter`` has no public call for a prebuilt ``Summary``; one event per step costs
-    a tenth of one ``add_scalar`` per tag. Checked: 2.11, 2.13, 2.15 (tensorboard 2.21.0).
-
-    Example:
-        >>> from tensorboard.compat.proto.summary_pb2 import Summary
-        >>> len(summary_event(Summary(value=[Summary.Value(tag="loss", simple_value=1.0)]), 3)) > 0
-        True
-    """
-    from tensorboard.compat.proto.event_pb2 import Event
-
-    return Event(wall_time=time.time(), step=step, summary=summary).SerializeToString()
-
-
-def write_events(writer: Any, events: list[bytes]) -> None:
-    """Queue serialized ``events`` to ``writer``'s writer thread, in order (as ``add_summary`` does
-    for one). Checked: 2.11, 2.13, 2.15 (``FileWriter.event_writer._async_writer.write``).
-
-    Example:
-        >>> # write_events(SummaryWriter(logdir), [summary_event(summary, step)])
-    """
-    queue = writer._get_file_writer().event_writer._async_writer
-    for data in events:
-        queue.write(data)
 
 
 def is_fsdp_module(module: object) -> bool:

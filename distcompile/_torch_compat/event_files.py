@@ -1,4 +1,6 @@
-"""TensorBoard event files written by torch's ``SummaryWriter``, with less host work.
+"""TensorBoard event files written by torch's ``SummaryWriter``, with less host work: C checksums
+(``fast_records``) and one prebuilt event a step, queued to its writer thread
+(``summary_event``, ``write_events``).
 
 Note [Event records]
     ``SummaryWriter`` hands each serialized event to TensorBoard's writer thread, which
@@ -19,11 +21,12 @@ from __future__ import annotations
 import functools
 import os
 import struct
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["fast_records"]
+__all__ = ["fast_records", "summary_event", "write_events"]
 
 
 def _masked_crc(value: int) -> int:
@@ -78,3 +81,32 @@ def fast_records(writer: Any) -> bool:
     records._writer = file
     records.write = functools.partial(_write_record, file, google_crc32c.value)
     return True
+
+
+def summary_event(summary: Any, step: int) -> bytes:
+    """One TensorBoard event holding ``summary`` (many scalars) at ``step``, timed now, serialized
+    as ``SummaryWriter`` would write it; ``write_events`` hands it over.
+
+    ``SummaryWriter`` has no public call for a prebuilt ``Summary``; one event per step costs
+    a tenth of one ``add_scalar`` per tag. Checked: 2.11, 2.13, 2.15 (tensorboard 2.21.0).
+
+    Example:
+        >>> from tensorboard.compat.proto.summary_pb2 import Summary
+        >>> len(summary_event(Summary(value=[Summary.Value(tag="loss", simple_value=1.0)]), 3)) > 0
+        True
+    """
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    return Event(wall_time=time.time(), step=step, summary=summary).SerializeToString()
+
+
+def write_events(writer: Any, events: list[bytes]) -> None:
+    """Queue serialized ``events`` to ``writer``'s writer thread, in order (as ``add_summary`` does
+    for one). Checked: 2.11, 2.13, 2.15 (``FileWriter.event_writer._async_writer.write``).
+
+    Example:
+        >>> # write_events(SummaryWriter(logdir), [summary_event(summary, step)])
+    """
+    queue = writer._get_file_writer().event_writer._async_writer
+    for data in events:
+        queue.write(data)
