@@ -33,6 +33,7 @@ __all__ = [
     "queue_engine_callback",
     "remove_optimizer_in_backward_hooks",
     "tensor_grad_hooks",
+    "first_grad_node",
     "tree_leaves",
     "tree_map_only",
 ]
@@ -54,6 +55,22 @@ def tree_leaves(tree: object) -> list:
     from torch.utils._pytree import tree_leaves as leaves
 
     return leaves(tree)
+
+
+def first_grad_node(out: object) -> object:
+    """The autograd node of the first tensor in ``out`` that has one (a compiled piece returns a
+    tensor or a tuple of tensors: read without flattening; anything else through
+    ``tree_leaves``), or ``None``.
+
+    Example:
+        >>> x = torch.ones(1, requires_grad=True)
+        >>> type(first_grad_node((torch.ones(1), x * 2))).__name__
+        'MulBackward0'
+    """
+    leaves = (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else None
+    if leaves is None or not all(isinstance(t, torch.Tensor) for t in leaves):
+        leaves = tree_leaves(out)
+    return next((t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn), None)
 
 
 def tree_map_only(kind: type, fn: Callable, tree: object) -> object:

@@ -43,6 +43,13 @@ def _edge_slots(node: object, parts: list[tuple[Part, torch.nn.Parameter]]) -> l
     return slots
 
 
+def _still_slots(node: object, slots: list[tuple[int, str]], params: dict[str, torch.nn.Parameter]) -> bool:
+    """Whether ``slots`` (found on an earlier step's node of the same piece) hold here too: each
+    index still leads to its part's parameter (a step's node is new; its edges are the same)."""
+    edges = node.next_functions  # type: ignore[attr-defined]
+    return all(i < len(edges) and getattr(edges[i][0], "variable", None) is params[name] for i, name in slots)
+
+
 class _DivertingPiece(torch.nn.Module):
     def __init__(
         self, piece: Callable, parts: list[tuple[Part, torch.nn.Parameter]], take: PartTaker
@@ -52,15 +59,19 @@ class _DivertingPiece(torch.nn.Module):
         self.parts = parts
         object.__setattr__(self, "take", take)
         self._warned = False
+        self._by_name = {part.name: p for part, p in parts}
+        self._slots: list[tuple[int, str]] = []  # the last step's, checked before reuse
 
     def forward(self, *args: object) -> object:
         out = self.piece(*args)
         if not torch.is_grad_enabled():
             return out
-        node = next(
-            (t.grad_fn for t in compat.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn), None
-        )
-        slots = _edge_slots(node, self.parts) if node is not None else []
+        node = compat.first_grad_node(out)
+        slots = self._slots
+        if node is None:
+            slots = []
+        elif not (slots and _still_slots(node, slots, self._by_name)):
+            slots = self._slots = _edge_slots(node, self.parts)
         if not slots:
             if not self._warned:
                 self._warned = True

@@ -27,14 +27,6 @@ class Recorder(Protocol):
     def poll(self) -> None: ...
 
 
-def _grad_node(out: object) -> object:
-    """The autograd node of the first output that has one (a piece returns a tensor or a tuple)."""
-    leaves = (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else None
-    if leaves is None or not all(isinstance(t, torch.Tensor) for t in leaves):
-        leaves = compat.tree_leaves(out)
-    return next((t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn), None)
-
-
 def _timed_call(fn: Callable, args: tuple, telemetry: Recorder, label: str) -> object:
     if not telemetry.timing:
         return fn(*args)
@@ -42,7 +34,7 @@ def _timed_call(fn: Callable, args: tuple, telemetry: Recorder, label: str) -> o
     start = clock.mark()
     out = fn(*args)
     timeline.add(PendingSpan("compute", f"{label} fwd", start, clock.mark()))
-    node = _grad_node(out)
+    node = compat.first_grad_node(out)
     if node is not None:
         # The piece's backward is one autograd node (under AOTAutograd); its pre- and
         # post-hooks bracket the segment's backward without touching any tensor. The
