@@ -35,7 +35,8 @@ def split_parity(rank: int, world: int, mode: str, steps: int = 3) -> dict:
     ``no_sync`` (a micro-batch accumulated first), ``grad_as_view``, ``find_unused``, ``bf16``
     (fused bf16 compression on distcompile; eager DDP in fp32: DDP's bf16 hook needs CUDA), ``off``
     (``split_shared=False``), ``verify`` (``verify=True``), ``dense`` (a table whose rows are
-    mostly touched every step), ``dense_find_unused`` (the same, frozen layout)."""
+    mostly touched every step), ``dense_find_unused`` (the same, frozen layout), ``eager_use`` (an L2
+    penalty on the tied table outside the model: every row gets a gradient)."""
     warnings = distcompile_messages(logging.WARNING)
     cfg = DENSE if mode.startswith("dense") else CFG
     torch.manual_seed(0)
@@ -56,6 +57,8 @@ def split_parity(rank: int, world: int, mode: str, steps: int = 3) -> dict:
                     GPT.loss(model(x), y).backward()
             x, y = synthetic_batch(cfg, batch_size=4, step=step, rank=rank)
             loss = GPT.loss(model(x), y)
+            if mode == "eager_use":  # the table read outside the model: every row gets a gradient
+                loss = loss + 1e-3 * model.module.wte.weight.square().sum()
             loss.backward()
             row.append(float(loss.detach()))
         losses.append(row)

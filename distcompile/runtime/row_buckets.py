@@ -7,7 +7,8 @@ Note [Rows gathered, not agreed]
     rank every rank's rows; each adds them into ``.grad`` itself. Rows no rank touched are
     zero everywhere, so the sum, taken ``1/world`` each, is the average gradient. Any
     earlier accumulation (``no_sync``) or a use not split off makes more rows nonzero, and
-    the bucket sends what is there (whole, when the step began with a ``.grad``).
+    the bucket sends what is there (whole, when the step began with a ``.grad`` or when
+    rows do not fit: below).
 
     * No host read, no blocking collective: what each rank sends has a size fixed when the
       buckets are built, the *bound*: the indices the step's graphs look up in the table on
@@ -21,6 +22,14 @@ Note [Rows gathered, not agreed]
       the rows are added in one deterministic order, ``index_add_`` on CPU (a sequential
       loop) and ``index_put_(accumulate=True)`` elsewhere (sorted indices on CUDA, where
       ``index_add_`` adds duplicates with atomics, in an order that can differ by rank).
+    * Rows past the bound: a use of the table outside the graphs' lookups (a penalty on the
+      weight in the training loop, a part not handed over) gives more rows a gradient than
+      the bound holds. Each rank sends its count of touched rows with them; the ranks read
+      the gathered counts when writing (on the CPU at every write: plain memory; on a GPU in
+      the first ``PROBED_WRITES``, where reading waits for the device) and, if any count is
+      over the bound, all-reduce the whole table at once and from then on, with a warning.
+      On a GPU a use outside the graphs that starts after those writes is not seen: its rows
+      past the bound would be left out (``split_shared=False`` sends the table whole).
     * A table whose bound, over all ranks, is not under ``ROWS_WHEN_BELOW`` of its rows,
       or is not known (a symbolic size, under dynamic shapes), or whose ``.grad`` held a
       gradient when the step began, goes whole, all-reduced as a ``FlatBucket`` would be;
@@ -31,6 +40,7 @@ Note [Rows gathered, not agreed]
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -40,13 +50,19 @@ from torch import nn
 from .. import _torch_compat as compat
 from .bucket import WIRE_DTYPES, OneParamBucket
 
-__all__ = ["DENSE_FOR", "ROWS_MIN_BYTES", "ROWS_WHEN_BELOW", "RowBucket"]
+__all__ = ["DENSE_FOR", "PROBED_WRITES", "ROWS_MIN_BYTES", "ROWS_WHEN_BELOW", "RowBucket"]
+
+log = logging.getLogger(__name__)
 
 #: Reduce rows rather than the whole table when they are at most this share of its rows.
 ROWS_WHEN_BELOW = 0.75
 #: Smaller tables go in the ordinary buckets: asking which rows were touched costs one
 #: blocking collective, more than their bytes.
 ROWS_MIN_BYTES = 256 * 1024
+#: Writes of a row bucket whose counts of touched rows are read on the host (and waited for)
+#: on a device other than the CPU; the CPU reads them at every write, at no cost (Note [Rows
+#: gathered, not agreed]).
+PROBED_WRITES = 2
 #: After a step that reduced a table with parts whole, this many more do so without its
 #: parts (they would only send its bytes twice; ``parts.settle``).
 DENSE_FOR = 100
@@ -87,17 +103,19 @@ class _Wire:
 
     def __init__(self, bound: int, width: int, dtype: torch.dtype, world: int, device: torch.device) -> None:
         self.bound = bound
-        rows_at = 8 * (bound + 1)  # indices, then the flag, then the rows: all aligned
-        rows_end = rows_at + bound * width * dtype.itemsize
+        at = 8 * bound  # indices, the produced flag, the count of rows touched, the rows: aligned
+        rows_at, rows_end = at + 16, at + 16 + bound * width * dtype.itemsize
         size = rows_end + -rows_end % 8  # each rank's block starts aligned in the gathered buffer
         self.send = torch.zeros(size, dtype=torch.uint8, device=device)
-        self.index = self.send[: 8 * bound].view(torch.int64)
-        self.flag = self.send[8 * bound : rows_at].view(torch.int64)
+        self.index = self.send[:at].view(torch.int64)
+        self.flag = self.send[at : at + 8].view(torch.int64)
+        self.count = self.send[at + 8 : rows_at].view(torch.int64)
         self.rows = self.send[rows_at:rows_end].view(dtype).view(bound, width)
         self.received = torch.zeros(world * size, dtype=torch.uint8, device=device)
         blocks = self.received.view(world, size)
-        self.all_index = blocks[:, : 8 * bound].view(torch.int64)  # (world, bound)
-        self.all_flags = blocks[:, 8 * bound : rows_at].view(torch.int64)  # (world, 1)
+        self.all_index = blocks[:, :at].view(torch.int64)  # (world, bound)
+        self.all_flags = blocks[:, at : at + 8].view(torch.int64)  # (world, 1)
+        self.all_counts = blocks[:, at + 8 : rows_at].view(torch.int64)  # (world, 1)
         self.all_rows = blocks[:, rows_at:rows_end].view(dtype)  # (world, bound * width)
 
 
@@ -125,14 +143,20 @@ class RowBucket(OneParamBucket):
         # .grad held a gradient before the step (accumulated under no_sync, or zeros left by
         # zero_grad(set_to_none=False)): its rows are not bounded by the step's lookups.
         self.accumulated = False
+        # Some rank touched more rows than the bound (a use outside the graphs' lookups): whole.
+        self.overflowed = False
+        self._probes = PROBED_WRITES
         self._sent: torch.Tensor | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._scale = 1.0
 
     def bound(self, world: int) -> int | None:
         """Rows one rank sends, or ``None``: the whole table (its rows, over all ranks, would not
         be under ``ROWS_WHEN_BELOW`` of the table's, or are not known)."""
         n = self.params[0].shape[0]
         rows = min(n, self.lookups)
-        return rows if self.lookups and not self.accumulated and world * rows <= ROWS_WHEN_BELOW * n else None
+        whole = not self.lookups or self.accumulated or self.overflowed
+        return rows if not whole and world * rows <= ROWS_WHEN_BELOW * n else None
 
     @property
     def nbytes(self) -> int:
@@ -162,20 +186,54 @@ class RowBucket(OneParamBucket):
         world = dist.get_world_size(group)
         bound = self.bound(world)
         self.found_dense = bound is None
-        if bound is None:  # the whole table, flag last (as a FlatBucket)
-            self.gathered = None
-            sent = torch.zeros(p.numel() + 1, dtype=self.wire_dtype, device=p.device)
-            if grad is not None:
-                sent[:-1] = grad.reshape(-1) * scale
-                sent[-1:].fill_(1.0)  # a fill kernel: `sent[-1] = 1.0` copies from the host
-            self._flag = sent[-1:]
-            self._sent = sent
-            self.work = compat.start_all_reduce(sent, group)
+        self._group, self._scale = group, scale
+        if bound is None:
+            self.work = compat.start_all_reduce(self._whole(grad, scale), group)
             return
         wire = self._wire(bound, world)
         self._pack(wire, grad, scale)
         self.gathered, self._sent = wire, wire.send
         self.work = compat.start_all_gather(wire.received, wire.send, group)
+
+    def _whole(self, grad: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """What an all-reduce of the whole table sends: ``scale * grad``, then the produced flag
+        (as a ``FlatBucket``)."""
+        p = self.params[0]
+        self.gathered = None
+        sent = torch.zeros(p.numel() + 1, dtype=self.wire_dtype, device=p.device)
+        if grad is not None:
+            sent[:-1] = grad.reshape(-1) * scale
+            sent[-1:].fill_(1.0)  # a fill kernel: `sent[-1] = 1.0` copies from the host
+        self._flag, self._sent = sent[-1:], sent
+        return sent
+
+    def _overflowed(self, wire: _Wire) -> bool:
+        """Whether some rank touched more rows than it could send (read on the host: on the CPU at
+        every write, elsewhere in the first ``PROBED_WRITES``)."""
+        counts = wire.all_counts
+        if counts.device.type == "cpu":  # no device to wait for: the memory itself
+            return bool((counts.numpy() > wire.bound).any())
+        if self._probes <= 0:
+            return False
+        self._probes -= 1
+        return bool((counts > wire.bound).any())  # waits for the all-gather: the first writes only
+
+    def _reduce_whole_now(self) -> None:
+        """Some rank's rows did not fit: reduce the whole table now (every rank saw the same counts,
+        so every rank does), and from now on."""
+        if not self.overflowed:
+            log.warning(
+                "embedding table %r got gradients on more rows than its lookups touch (a use outside "
+                "the compiled graphs, e.g. a penalty on the weight in the training loop): reduced "
+                "whole from now on, this step included. split_shared=False reduces it whole from the "
+                "start.",
+                self.names[0],
+            )
+        self.overflowed = self.found_dense = True
+        p = self.params[0]
+        compat.start_all_reduce(
+            self._whole(p.grad if self.produced[0] else None, self._scale), self._group
+        ).wait()
 
     def _wire(self, bound: int, world: int) -> _Wire:
         wire = self._wires.get((bound, world))
@@ -193,7 +251,9 @@ class RowBucket(OneParamBucket):
             wire.send.zero_()
             wire.index.fill_(n - 1)
             return
-        found = torch.nonzero_static(_touched_rows(grad), size=wire.bound, fill_value=n).squeeze(1)
+        touched = _touched_rows(grad)
+        torch.sum(touched, dim=0, keepdim=True, dtype=torch.int64, out=wire.count)  # > bound: rows left out
+        found = torch.nonzero_static(touched, size=wire.bound, fill_value=n).squeeze(1)
         torch.clamp(found, max=n - 1, out=wire.index)
         rows = grad.index_select(0, wire.index).mul_(found.lt(n).unsqueeze(1))
         if scale != 1.0:
@@ -211,6 +271,8 @@ class RowBucket(OneParamBucket):
 
     def write(self, used: torch.Tensor | None = None) -> None:
         """``.grad`` is the average (zero outside the rows); left as it was if no rank produced one."""
+        if self.gathered is not None and self._overflowed(self.gathered):
+            self._reduce_whole_now()
         p, sent, flag = self.params[0], self._sent, self._flag
         if sent is None or flag is None:
             return

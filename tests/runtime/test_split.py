@@ -101,3 +101,14 @@ def test_a_row_bucket_gathers_each_ranks_rows_and_sums_them_alike_everywhere() -
         assert res["grad"] is not None, f"rank {rank}: no .grad although two ranks produced one"
         np.testing.assert_allclose(res["grad"], res["expected"], rtol=1e-6, atol=1e-7, err_msg=f"rank {rank}")
         assert np.array_equal(res["grad"], results[0]["grad"]), f"rank {rank}: a sum apart from rank 0's"
+
+
+def test_a_table_also_read_outside_the_graphs_is_reduced_whole_and_stays_exact() -> None:
+    # An L2 penalty on the tied table in the training loop gives every row a gradient, more rows
+    # than the lookups bound: found at the first write, the table is reduced whole that step and
+    # after (before 2026-11-29 the rows past the bound were left out, silently: gradients 60% off).
+    results = run_ranks(split_workers.split_parity, 2, "eager_use")
+    _check(results)
+    res = results[0]
+    assert any("more rows than its lookups touch" in w for w in res["warnings"]), res["warnings"]
+    _reduced_whole_after_the_first_step(res)
