@@ -116,3 +116,23 @@ def row_bucket_sums(rank: int, world: int) -> dict:
         "collective": bucket.collective,
         "table_bytes": table.numel() * 4,
     }
+
+
+def row_bucket_overflow(rank: int, world: int) -> dict:
+    """A ``RowBucket`` whose first rank touches 10 rows, over its bound of 2, while the other
+    rank has joined (under ``Join`` a joined rank launches and waits, never writes): both must
+    reduce the whole table, and the first rank's ``.grad`` be the exact average."""
+    from distcompile.runtime.row_buckets import RowBucket
+
+    table = torch.nn.Parameter(torch.zeros(64, 3))
+    bucket = RowBucket(0, "table", table, compression=None, lookups=2)
+    grad = torch.zeros(64, 3)
+    grad[:10] = torch.arange(30, dtype=torch.float32).reshape(10, 3) + 1
+    if rank == 0:
+        table.grad = grad.clone()
+    bucket.ready[0] = rank == 0
+    bucket.launch(None, 1.0 / world)
+    bucket.wait()
+    if rank == 0:
+        bucket.write()
+    return {"grad": table.grad, "expected": grad / world, "overflowed": bucket.overflowed}

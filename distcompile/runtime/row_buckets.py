@@ -24,8 +24,9 @@ Note [Rows gathered, not agreed]
       ``index_add_`` adds duplicates with atomics, in an order that can differ by rank).
     * Rows past the bound: a use of the table outside the graphs' lookups (a penalty on the
       weight in the training loop, a part not handed over) gives more rows a gradient than
-      the bound holds. Each rank sends its count of touched rows with them; the ranks read
-      the gathered counts when writing (on the CPU at every write: plain memory; on a GPU in
+      the bound holds. Each rank sends its count of touched rows with them; once the
+      all-gather is waited for (by every rank, one that joined under ``Join`` included) the
+      ranks read the gathered counts (on the CPU at every step: plain memory; on a GPU in
       the first ``PROBED_WRITES``, where reading waits for the device) and, if any count is
       over the bound, all-reduce the whole table at once and from then on, with a warning.
       On a GPU a use outside the graphs that starts after those writes is not seen: its rows
@@ -59,8 +60,8 @@ ROWS_WHEN_BELOW = 0.75
 #: Smaller tables go in the ordinary buckets: asking which rows were touched costs one
 #: blocking collective, more than their bytes.
 ROWS_MIN_BYTES = 256 * 1024
-#: Writes of a row bucket whose counts of touched rows are read on the host (and waited for)
-#: on a device other than the CPU; the CPU reads them at every write, at no cost (Note [Rows
+#: Steps of a row bucket whose counts of touched rows are read on the host (and waited for)
+#: on a device other than the CPU; the CPU reads them at every step, at no cost (Note [Rows
 #: gathered, not agreed]).
 PROBED_WRITES = 2
 #: After a step that reduced a table with parts whole, this many more do so without its
@@ -209,7 +210,7 @@ class RowBucket(OneParamBucket):
 
     def _overflowed(self, wire: _Wire) -> bool:
         """Whether some rank touched more rows than it could send (read on the host: on the CPU at
-        every write, elsewhere in the first ``PROBED_WRITES``)."""
+        every step, elsewhere in the first ``PROBED_WRITES``)."""
         counts = wire.all_counts
         if counts.device.type == "cpu":  # no device to wait for: the memory itself
             return bool((counts.numpy() > wire.bound).any())
@@ -265,14 +266,17 @@ class RowBucket(OneParamBucket):
         return self.work is not None and self.work.is_completed()
 
     def wait(self) -> None:
+        """Wait for the reduction; a rank whose rows did not fit makes every rank, a joined one
+        included (it waits, it does not write), reduce the whole table now."""
         self._take_work()
-        if self.gathered is not None:
-            self._flag = self.gathered.all_flags.sum().reshape(1)
+        wire = self.gathered
+        if wire is not None and self._overflowed(wire):
+            self._reduce_whole_now()
+        elif wire is not None:
+            self._flag = wire.all_flags.sum().reshape(1)
 
     def write(self, used: torch.Tensor | None = None) -> None:
         """``.grad`` is the average (zero outside the rows); left as it was if no rank produced one."""
-        if self.gathered is not None and self._overflowed(self.gathered):
-            self._reduce_whole_now()
         p, sent, flag = self.params[0], self._sent, self._flag
         if sent is None or flag is None:
             return

@@ -112,3 +112,9 @@ def test_a_table_also_read_outside_the_graphs_is_reduced_whole_and_stays_exact()
     res = results[0]
     assert any("more rows than its lookups touch" in w for w in res["warnings"]), res["warnings"]
     _reduced_whole_after_the_first_step(res)
+
+
+def test_rows_past_the_bound_reduce_the_table_whole_on_every_rank_even_a_joined_one() -> None:
+    results = run_ranks(split_workers.row_bucket_overflow, 2, timeout=120)
+    assert [r["overflowed"] for r in results] == [True, True], results  # the same decision on both
+    np.testing.assert_array_equal(results[0]["grad"], results[0]["expected"])  # no row left out
