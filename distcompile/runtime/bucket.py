@@ -65,6 +65,8 @@ class FlatBucket:
 
     #: A communication hook sends this kind of bucket (not sparse ones).
     hookable = True
+    #: How the bucket is reduced (error messages name it).
+    collective = "all-reduce"
 
     def __init__(
         self,
@@ -293,6 +295,9 @@ class OneParamBucket:
         >>> b.names, b.ready, b.tail
         (['w'], [False], False)
     """
+
+    #: How the bucket is reduced (error messages name it; ``RowBucket`` may all-gather).
+    collective = "all-reduce"
 
     def __init__(self, index: int, name: str, param: torch.nn.Parameter) -> None:
         self.index = index

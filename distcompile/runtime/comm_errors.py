@@ -93,14 +93,14 @@ def comm_error(bucket: object, step: int, peers: Peers, doing: str, exc: Excepti
     records it in the job's event log.
 
     Example:
-        >>> b = type("B", (), {"index": 1, "nbytes": 8, "params": [None]})()
+        >>> b = type("B", (), {"index": 1, "nbytes": 8, "params": [None], "collective": "all-reduce"})()
         >>> str(comm_error(b, 3, Peers(), "waiting for", RuntimeError("gone")))[:61]
         'rank 0: step 3, bucket 1: the collective failed while waiting'
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     head = (
         f"rank {rank}: step {step}, bucket {bucket.index}: {what_happened(exc, peers.at)} while {doing} "  # type: ignore[attr-defined]
-        f"its {getattr(bucket, 'collective', 'all-reduce')} ({bucket.nbytes} bytes, {len(bucket.params)} parameters)"  # type: ignore[attr-defined]
+        f"its {bucket.collective} ({bucket.nbytes} bytes, {len(bucket.params)} parameters)"  # type: ignore[attr-defined]
     )
     logging.getLogger("distcompile").error("%s", head)
     _events.emit("error", error="CommunicationError", message=head)
