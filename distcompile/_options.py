@@ -289,18 +289,20 @@ class TelemetryOptions(_Group):
         logdir: Directory for telemetry: TensorBoard scalars, text and a timeline picture
             (rank 0's), and Chrome traces of every rank under ``logdir/traces``. ``None``
             measures and writes nothing.
-        trace_every: Write each rank's Chrome trace every this many steps (0: never);
-            a trace costs under a millisecond. Scalars are written every step.
+        trace_every: Write each rank's Chrome trace every this many steps (0: never).
+            ``None`` (the default): steps 0 (it compiles) and 10, then every 100th, of
+            which each rank keeps steps 0 and 10 and its newest 10 files. A trace costs the
+            host a few milliseconds. Scalars are written every step.
         figure_every: Add a Gantt picture of a step to TensorBoard: the first step after
             warm-up (the first that compiled nothing), then every this many steps (0: never).
             ``None`` (the default): the first, then as often as keeps drawing under 2% of
-            the run's time (one takes 0.1-0.4 s: about one a minute at most).
+            the time in steps (one takes 0.1-0.4 s: about one a minute of steps at most).
         telemetry_all_ranks: Give every rank its own TensorBoard run (``logdir/rank{R}``)
             instead of rank 0 alone.
     """
 
     logdir: str | os.PathLike | None = None
-    trace_every: int = 10
+    trace_every: int | None = None
     figure_every: int | None = None
     telemetry_all_ranks: bool = False
 

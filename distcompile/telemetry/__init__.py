@@ -8,7 +8,8 @@ matplotlib are the ``telemetry`` extra.
 - ``clock.py``: clocks for timelines: host time on CPU, CUDA events on the GPU.
 - ``instrument.py``: each compiled segment's forward and backward as spans.
 - ``host_comm.py``: on CPU, a step's all-reduces and waits as numbers until it ends.
-- ``sink.py``: TensorBoard scalars and text, the Gantt picture, a Chrome trace per rank.
+- ``sink.py``: TensorBoard scalars and text, the Gantt picture, when each is made.
+- ``traces.py``: a rank's Chrome trace files: which steps, written whole, which kept.
 - ``figure.py``: the Gantt picture of one step.
 - ``report.py``: ``distcompile report``.
 """

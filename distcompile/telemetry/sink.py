@@ -13,14 +13,19 @@ Note [Segment spans on CPU]
 
     All-reduces on CPU: Note [Polled ends on CPU] and Note [Steps not drawn on CPU] in
     ``host_comm.py``.
+
+Note [Pictures a long job can afford]
+    A picture takes 0.1-0.4 s to draw. By default one is drawn when drawing has taken under
+    ``PICTURE_SHARE`` of the time spent in steps that compiled nothing: this model's steps,
+    not the wall clock, so a loop that does much else between steps (or a benchmark stepping
+    several models in turn) does not draw more often than its steps can pay for. Traces:
+    Note [Traces a long job can afford] in ``traces.py``.
 """
 
 from __future__ import annotations
 
 import bisect
-import json
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -33,16 +38,17 @@ from .clock import PendingSpan, PendingStep, PendingSteps, StepTimeline, clock_f
 from .figure import gantt_figure
 from .host_comm import HostComm
 from .instrument import instrument
-from .timeline import Span, chrome_trace, comm_figures, fill_gaps
+from .timeline import Span, comm_figures, fill_gaps
+from .traces import TraceFiles
 
 if TYPE_CHECKING:
     from ..runtime.reducer import StepStats
 
 __all__ = ["PICTURE_SHARE", "Telemetry", "require_extra"]
 
-#: With ``figure_every=None`` (the default), at most this share of the run's time goes to
-#: drawing TensorBoard pictures (0.1-0.4 s each): after one that took t seconds, the next
-#: is drawn t / PICTURE_SHARE seconds later.
+#: With ``figure_every=None`` (the default), at most this share of the time spent in steps
+#: that compiled nothing goes to drawing TensorBoard pictures (0.1-0.4 s each; Note [Pictures
+#: a long job can afford]).
 PICTURE_SHARE = 0.02
 #: Each step's scalars are one event, held and handed to TensorBoard's writer thread at most
 #: this often (and before any other event, so steps stay in order in the file): the thread
@@ -66,7 +72,7 @@ class Telemetry:
         run_dir: str | None,
         trace_dir: str,
         rank: int,
-        trace_every: int,
+        trace_every: int | None,
         figure_every: int | None,
         device: torch.device | None = None,
         serial_comm: bool = False,
@@ -78,11 +84,9 @@ class Telemetry:
         self.serial_comm = serial_comm
         self.pending = PendingSteps(self.clock)
         self._open: PendingStep | None = None
-        self.trace_every = trace_every
         self.figure_every = figure_every
         self.timeline = StepTimeline()
-        self.trace_dir = trace_dir
-        os.makedirs(self.trace_dir, exist_ok=True)
+        self.traces = TraceFiles(trace_dir, rank=rank, every=trace_every)
         self.writer = None
         # Every rank checks, so no rank fails alone (the others would wait for it).
         require_extra("wrap(..., logdir=...) writes TensorBoard files (or drop logdir=)")
@@ -96,7 +100,8 @@ class Telemetry:
         self._compiled_this_step = False
         self._first_warm_step: int | None = None
         self._picture = False  # the open step is to be drawn (``_picture_due``)
-        self._next_picture_at = 0.0
+        self._warm_s = 0.0  # time in steps that compiled nothing, and in drawing pictures
+        self._drawing_s = 0.0
         self.recompiles = 0
         self.graph_breaks: list[str] = []
         self.last_figures: dict[str, float | None] = {}
@@ -167,17 +172,13 @@ class Telemetry:
         """Whether step ``step`` is to be drawn as a TensorBoard picture (decided as it begins):
         every ``figure_every`` steps from the first that compiled nothing; by default
         (``None``) the first such step, then each step once drawing has taken under
-        ``PICTURE_SHARE`` of the time since the first."""
+        ``PICTURE_SHARE`` of the time in such steps (Note [Pictures a long job can afford])."""
         if self.writer is None or self.figure_every == 0:
             return False
         if self.figure_every is None:
-            return time.perf_counter() >= self._next_picture_at
+            return self._drawing_s <= PICTURE_SHARE * self._warm_s
         first = self._first_warm_step
         return first is None or (step - first) % self.figure_every == 0
-
-    def _traced(self, step: int) -> bool:
-        """Whether step ``step`` writes a Chrome trace."""
-        return bool(self.trace_every) and step % self.trace_every == 0
 
     def begin_step(self) -> None:
         host = time.perf_counter()
@@ -189,7 +190,7 @@ class Telemetry:
         # (the thread computes whenever it does not wait: Note [Segment spans on CPU]).
         k = self._next_step
         self._picture = self._picture_due(k)
-        self.timing = self.clock.lazy or self._picture or self._traced(k)
+        self.timing = self.clock.lazy or self._picture or self.traces.due(k)
         self._compiled_this_step = False
 
     def bucket_launched(self, index: int, nbytes: int, nparams: int, future: torch.futures.Future) -> None:
@@ -239,7 +240,9 @@ class Telemetry:
         """
         step = self._open
         assert step is not None, "end_step without begin_step"
-        drawn = self.timing or self._traced(stats.step)
+        if not self._compiled_this_step:
+            self._warm_s += time.perf_counter() - step.host_origin
+        drawn = self.timing or self.traces.due(stats.step)
         self.timing, self._next_step, self._open = False, stats.step + 1, None
         if not self.clock.lazy:
             self._host.finish()
@@ -298,8 +301,9 @@ class Telemetry:
         lanes = {s.lane: (s.end - s.start) * 1e3 for s in spans if s.track == "comm"}
         derived = self._write_figures(stats, figures, lanes)
         w = self.writer
-        if self._traced(stats.step):
-            self._write_trace(spans, stats.step, origin)
+        if self.traces.due(stats.step):
+            self.traces.write(self._compile_spans + spans, stats.step, origin)
+            self._compile_spans = []
         if w is not None and self._wants_figure(stats.step, compiled, picture):
             drawing = time.perf_counter()
             pct = figures["overlap_pct"]
@@ -311,8 +315,7 @@ class Telemetry:
             )
             self._hand_over()
             w.add_figure("timeline/step", fig, stats.step, close=True)
-            done = time.perf_counter()
-            self._next_picture_at = done + (done - drawing) / PICTURE_SHARE
+            self._drawing_s += time.perf_counter() - drawing
         return derived
 
     def _write_figures(self, stats: StepStats, figures: dict, lane_ms: Mapping[int, float]) -> dict:
@@ -329,18 +332,6 @@ class Telemetry:
             }
             self._scalars(values, stats.step)
         return {**figures, "timed_step": stats.step}
-
-    def _write_trace(self, spans: list[Span], step: int, origin: float) -> None:
-        all_spans = self._compile_spans + spans
-        self._compile_spans = []
-        first = min([origin, *(s.start for s in all_spans)])
-        path = os.path.join(self.trace_dir, f"trace_rank{self.rank}_step{step}.json")
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            # dumps, not dump: json.dump streams through the pure-Python encoder; dumps uses the
-            # C one (a traced step's writing on the host-overhead proxy: 3.1 -> 2.1 ms).
-            f.write(json.dumps(chrome_trace(all_spans, rank=self.rank, step=step, origin=first)))
-        os.replace(tmp, path)  # readers never see a half-written trace
 
     def _scalars(self, values: dict[str, float], step: int) -> None:
         # One event holding every scalar of the step: a tenth of the cost of one
