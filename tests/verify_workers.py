@@ -14,6 +14,20 @@ def _halve(param: torch.Tensor) -> None:
     param.data.mul_(0.5)  # what the checkpoint-under-regions bug did: backward wrote a weight
 
 
+def _loss(
+    model: torch.nn.Module, model_name: str, x: torch.Tensor, y: torch.Tensor, inject: str
+) -> torch.Tensor:
+    """The step's loss; ``inject``: ``"penalty"`` (an L2 penalty on every weight, written in
+    the loop), ``"two_forwards"`` (a second forward, on the batch reversed): uses outside the
+    checked forward that add to ``.grad`` too (Note [Gradients by their source])."""
+    loss = loss_fn(model_name, model(x), y)
+    if inject == "penalty":
+        loss = loss + 1e-2 * sum(p.square().sum() for p in model.parameters())
+    if inject == "two_forwards":
+        loss = loss + loss_fn(model_name, model(x.flip(0)), y.flip(0))
+    return loss
+
+
 def verify_run(
     rank: int, world: int, model_name: str, backend: str, inject: str = "", steps: int = 3
 ) -> dict:
@@ -23,7 +37,8 @@ def verify_run(
     ``"user_hook"`` (a gradient hook on a parameter, different per rank), ``"optim_in_backward"``,
     ``"powersgd"`` (a communication hook compressing from the first step),
     ``"grad"`` (the compiled backward scales gradients), ``"lengths"`` (sequence lengths
-    16, 9, 12: two recompiles), ``"no_sync"`` (each step accumulates two micro-batches).
+    16, 9, 12: two recompiles), ``"no_sync"`` (each step accumulates two micro-batches),
+    ``"penalty"`` and ``"two_forwards"`` (``_loss``).
     """
     torch.manual_seed(0)
     net = GradWrongWhenCompiled() if inject == "grad" else BUILDERS[model_name]()
@@ -56,7 +71,7 @@ def verify_run(
                     with model.no_sync():
                         loss_fn(model_name, model(x), y).backward()
                 else:
-                    loss_fn(model_name, model(x), y).backward()
+                    _loss(model, model_name, x, y, inject).backward()
             opt.step()
             opt.zero_grad()
     except distcompile.VerificationError as exc:
@@ -124,7 +139,8 @@ def forward_check_run(
     """Train ``steps`` steps under ``wrap``'s defaults (the first-step forward check); return
     how many steps were checked or the error's text. ``inject``: ``"misreuse"`` (every
     repeated block counts as alike, so blocks that differ share one region trace),
-    ``"lengths"`` (sequence lengths 16, 9, 12: two recompiles)."""
+    ``"lengths"`` (sequence lengths 16, 9, 12: two recompiles), ``"penalty"`` and
+    ``"two_forwards"`` (``_loss``)."""
     if inject == "misreuse":
         import distcompile.capture.regions as regions
 
@@ -137,7 +153,7 @@ def forward_check_run(
             x, y = batch(model_name, rank, step)
             if inject == "lengths":
                 x, y = _seq_len(x, y, (16, 9, 12)[step % 3], mark=False)
-            loss_fn(model_name, model(x), y).backward()
+            _loss(model, model_name, x, y, inject).backward()
             opt.step()
             opt.zero_grad()
     except distcompile.VerificationError as exc:

@@ -34,6 +34,7 @@ __all__ = [
     "remove_optimizer_in_backward_hooks",
     "tensor_grad_hooks",
     "first_grad_node",
+    "node_order",
     "tree_leaves",
     "tree_map_only",
 ]
@@ -71,6 +72,21 @@ def first_grad_node(out: object) -> object:
     if leaves is None or not all(isinstance(t, torch.Tensor) for t in leaves):
         leaves = tree_leaves(out)
     return next((t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn), None)
+
+
+def node_order(node: object | None = None) -> int:
+    """The order in which autograd node ``node`` was created on its thread (later: larger), or,
+    without one, that of a node created now: what a node created after this call exceeds.
+    ``AccumulateGrad`` nodes have the largest. Checked: 2.13, 2.15.
+
+    Example:
+        >>> mark = node_order()
+        >>> node_order((torch.ones(1, requires_grad=True) * 2).grad_fn) > mark
+        True
+    """
+    if node is None:
+        node = torch.ones(1, requires_grad=True).clone().grad_fn
+    return node._sequence_nr()  # type: ignore[union-attr]
 
 
 def tree_map_only(kind: type, fn: Callable, tree: object) -> object:

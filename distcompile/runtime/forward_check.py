@@ -34,14 +34,17 @@ Algorithm
     the step's all-reduce, name it in their error (``_agreement.mark_failed``).
 
     Gradients: each output of the compiled forward gets a tap that records the gradient
-    reaching it, and each trainable parameter a post-accumulate hook that records what the
-    compiled backward added to its ``.grad``. When the ``backward()`` that writes ``.grad``
-    ends (an ``autograd.grad`` call before it is let pass), the reducer finishes the step
-    (every rank completes its all-reduces), then eager's gradients for the same output
-    gradients (``torch.autograd.grad`` on the reference) are compared with them, within the
-    output tolerance of each parameter's largest eager gradient (at least 1% of the median
-    of those). Not compared: Inductor with random numbers, parameters whose gradient travels
-    in parts (Note [Shared weights reduced by use]), sparse gradients.
+    reaching it; each trainable parameter a post-accumulate hook that records what its
+    ``.grad`` gained in the backward, and the forward's autograd nodes hooks that record
+    what they alone sent it (Note [Gradients by their source]: a penalty on a weight in the
+    loop, a temperature read in the loss or a second forward adds to ``.grad`` too). When
+    the ``backward()`` that writes ``.grad`` ends (an ``autograd.grad`` call before it is
+    let pass), the reducer finishes the step (every rank completes its all-reduces), then
+    eager's gradients for the same output gradients (``torch.autograd.grad`` on the
+    reference) are compared with both, within the output tolerance of each parameter's
+    largest eager gradient (at least 1% of the median of those): a parameter is wrong when
+    neither matches. Not compared: Inductor with random numbers, parameters whose gradient
+    travels in parts (Note [Shared weights reduced by use]), sparse gradients.
 
     Put back between runs: each module's buffer entries by identity and value (a buffer the
     forward resized, assigned anew or registered included), plain attributes and the random
@@ -71,6 +74,7 @@ from torch import nn
 from .. import _torch_compat as compat
 from ..errors import VerificationError
 from .checkpoint import rng_state, set_rng_state
+from .grad_sources import GradSources
 from .verify import GradTap
 
 __all__ = ["ForwardCheck"]
@@ -185,24 +189,15 @@ def _differences(got: list, want: list, tol: float) -> list[str]:
 
 class _Seen:
     """One checked step's gradients: the eager outputs, what reached the compiled outputs in the
-    running backward, and what each parameter's ``.grad`` gained from it (known only in a
-    backward that accumulates: ``autograd.grad`` calls before it are let pass)."""
+    running backward, and what each parameter got (``sources``: known only in a backward that
+    accumulates; ``autograd.grad`` calls before it are let pass)."""
 
-    def __init__(self, leaves: list, tol: float, params: Mapping[str, nn.Parameter]) -> None:
+    def __init__(self, leaves: list, tol: float) -> None:
         self.leaves = leaves
         self.tol = tol
-        self.before = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
         self.out_grads: dict[int, torch.Tensor] = {}
-        self.grads: dict[str, torch.Tensor] = {}
-        self.hooks: list = []
+        self.sources: GradSources | None = None
         self.queued = False
-
-    def accumulated(self, name: str, param: torch.Tensor) -> None:
-        grad = param.grad.detach()
-        if grad.is_sparse:  # sparse gradients (an embedding's) are reduced apart: not compared
-            return
-        before = self.before.get(name)
-        self.grads[name] = grad - before if before is not None else grad.clone()
 
 
 def _differentiable(t: object, grad: torch.Tensor) -> bool:
@@ -211,18 +206,19 @@ def _differentiable(t: object, grad: torch.Tensor) -> bool:
 
 def _gradient_differences(
     names: list[str], want: tuple, got: Mapping[str, torch.Tensor], tol: float
-) -> list[str]:
+) -> dict[str, str]:
     """Parameters whose compiled gradient is not eager's within ``tol`` of its scale (the
-    largest eager gradient, at least 1% of the median of those over the model)."""
+    largest eager gradient, at least 1% of the median of those over the model), each with
+    what differs."""
     pairs = [(n, w) for n, w in zip(names, want) if w is None or not w.is_sparse]  # sparse: reduced apart
     maxima = [float(w.abs().max()) for _, w in pairs if w is not None and w.numel()]
     floor = 0.01 * statistics.median([m for m in maxima if m > 0] or [0.0]) or 1e-12
-    found = []
+    found = {}
     for n, w in pairs:
         g = got.get(n)
         if w is None or g is None:
             if (w is None) != (g is None) and (w if w is not None else g).abs().max() > 0:
-                found.append(f"{n}: {'eager' if g is None else 'the compiled step'} alone has a gradient")
+                found[n] = f"{n}: {'eager' if g is None else 'the compiled step'} alone has a gradient"
             continue
         diff = float((g.float() - w.float()).abs().max())
         scale = max(float(w.abs().max()), floor)
@@ -230,7 +226,7 @@ def _gradient_differences(
             ratio = float(
                 g.float().flatten() @ w.float().flatten() / max(float(w.float().square().sum()), 1e-30)
             )
-            found.append(
+            found[n] = (
                 f"gradient of {n} differs from eager's by {diff:.3g} (scale {scale:.3g}; {ratio:.3g}x eager's)"
             )
     return found
@@ -290,6 +286,7 @@ class ForwardCheck:
                 captured = _leaves(compiled())
         finally:
             state.restore()
+        mark = compat.node_order()  # the compiled forward's autograd nodes come after it
         out = compiled()
         self.pending = False
         self.checked += 1
@@ -304,7 +301,7 @@ class ForwardCheck:
         if findings:
             self._fail(findings)
         if compared and torch.is_grad_enabled() and self.params:
-            out = self._watch_gradients(reference, out, tol or 1e-3)
+            out = self._watch_gradients(reference, out, tol or 1e-3, mark)
         log.debug(
             "forward check %d passed (%s)",
             self.checked,
@@ -314,17 +311,15 @@ class ForwardCheck:
         )
         return out
 
-    def _watch_gradients(self, reference: object, out: object, tol: float) -> object:
+    def _watch_gradients(self, reference: object, out: object, tol: float, mark: int) -> object:
         """``out`` with a tap on each output; when ``backward()`` ends, the gradients it gave
-        each parameter are compared with the eager forward's for the same output gradients."""
+        each parameter are compared with the eager forward's for the same output gradients
+        (``mark``: ``compat.node_order`` before the compiled forward)."""
         leaves = compat.tree_leaves(reference)
         if len(leaves) != len(compat.tree_leaves(out)):
             return out
-        seen = _Seen(leaves, tol, self.params)
-        seen.hooks = [
-            p.register_post_accumulate_grad_hook(functools.partial(seen.accumulated, n))
-            for n, p in self.params.items()
-        ]
+        seen = _Seen(leaves, tol)
+        seen.sources = GradSources(compat.tree_leaves(out), self.params, since=mark)
         index = iter(range(len(leaves)))
 
         def tap(t: object) -> object:
@@ -343,12 +338,14 @@ class ForwardCheck:
             compat.queue_engine_callback(functools.partial(self._compare_gradients, seen))
 
     def _compare_gradients(self, seen: _Seen) -> None:
-        if not seen.grads:  # autograd.grad (no .grad written): wait for the backward that writes
+        sources = seen.sources
+        assert sources is not None
+        if not sources.gained:  # autograd.grad (no .grad written): wait for the backward that writes
             seen.queued = False
             seen.out_grads.clear()
+            sources.clear()
             return
-        for h in seen.hooks:
-            h.remove()
+        sources.remove()
         self.settle()  # the step's all-reduces complete on every rank before this one raises
         parted = self.parted()
         names = [n for n, p in self.params.items() if id(p) not in parted]
@@ -365,7 +362,11 @@ class ForwardCheck:
         except RuntimeError as exc:  # the eager graph cannot be differentiated again here
             log.info("forward check: gradients not compared (%s)", " ".join(str(exc).split())[:200])
             return
-        findings = _gradient_differences(names, want, seen.grads, seen.tol)
+        # Wrong when neither what .grad gained nor what the forward's nodes sent is eager's
+        # (Note [Gradients by their source]).
+        gained = _gradient_differences(names, want, sources.gained, seen.tol)
+        sent = _gradient_differences(names, want, sources.sent, seen.tol) if gained else {}
+        findings = [f for n, f in gained.items() if n in sent]
         if findings:
             self._fail([f"compiled backward: {f}" for f in findings])
         log.debug("forward check %d: gradients of %d parameters match eager's", self.checked, len(names))

@@ -57,6 +57,7 @@ from .. import _torch_compat as compat
 from ..errors import VerificationError
 from .checkpoint import rng_state, set_rng_state
 from .collectives import all_reduce_coalesced, group_device
+from .grad_sources import GradSources
 
 __all__ = ["GradTap", "StepCheck"]
 
@@ -75,7 +76,9 @@ class _Armed:
     sync: bool
     low_precision: bool
     grads_before: dict[str, torch.Tensor]
+    mark: int  # compat.node_order() before the compiled forward
     out: list[torch.Tensor | None] = field(default_factory=list)
+    sources: GradSources | None = None
     grads_in: dict[int, torch.Tensor] = field(default_factory=dict)
     queued: bool = False
 
@@ -166,7 +169,7 @@ class StepCheck:
         set_rng_state(rng)  # the compiled forward draws the same random numbers
         low = self.compressed or _autocast_on() or any(p.dtype in _HALF for p in self.params.values())
         before = {n: p.grad.detach().clone() for n, p in self.params.items() if p.grad is not None}
-        self._armed = _Armed(params, buffers, ref_out, sync, low, before)
+        self._armed = _Armed(params, buffers, ref_out, sync, low, before, compat.node_order())
 
     def attach(self, out: object) -> object:
         """After the compiled forward: ``out`` with a tap on each output that requires grad.
@@ -178,6 +181,7 @@ class StepCheck:
         armed = self._armed
         if armed is None:
             return out
+        armed.sources = GradSources(compat.tree_leaves(out), self.params, since=armed.mark)
         index = iter(range(len(compat.tree_leaves(out))))
 
         def tap(t: object) -> object:
@@ -199,6 +203,14 @@ class StepCheck:
 
     # -- backward side --------------------------------------------------------------------
     def _finish(self, armed: _Armed) -> None:
+        sources = armed.sources
+        assert sources is not None
+        if self.params and not sources.gained:  # autograd.grad: wait for the backward that writes .grad
+            armed.queued = False
+            armed.grads_in.clear()
+            sources.clear()
+            return
+        sources.remove()
         if self._armed is armed:
             self._armed = None
         self.settle()  # the reducer's own end of step: gradients averaged into param.grad
@@ -247,8 +259,8 @@ class StepCheck:
         if hooked:  # the hook decides what .grad becomes (PowerSGD: an approximation)
             log.info("verify: gradients not compared, communication hook %s reduces them", hooked)
         else:
-            expected = self._expected_grads(armed, ref_params)  # collectives: on every rank
-            findings += self._compare_grads(armed, expected)
+            expected, with_outside = self._expected_grads(armed, ref_params)  # collectives: every rank
+            findings += self._compare_grads(armed, expected, with_outside)
         sync = armed.sync and not hooked
         findings += self._compare_ranks(ref_params, grads=sync)  # collectives: on every rank
         return findings
@@ -288,8 +300,10 @@ class StepCheck:
 
     def _expected_grads(
         self, armed: _Armed, ref_params: dict[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor | None]:
-        """Eager DDP's ``param.grad`` after this step, per parameter (``None``: no gradient)."""
+    ) -> tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor | None]]:
+        """Eager DDP's ``param.grad`` after this step, per parameter (``None``: no gradient):
+        from the forward alone, and with what the parameter gained from uses outside the
+        forward (Note [Gradients by their source])."""
         stepped = self.stepped()  # their .grad is None after backward, as under DDP: not compared
         names = [n for n, p in self.params.items() if n in ref_params and id(p) not in stepped]
         ref_leaves = compat.tree_leaves(armed.ref_out)
@@ -304,7 +318,11 @@ class StepCheck:
             if outs and names
             else (None,) * len(names)
         )
-        produced = torch.tensor([float(g is not None) for g in local], device=self._device())
+        outside = armed.sources.outside() if armed.sources is not None else {}
+        produced = torch.tensor(
+            [[float(g is not None), float(g is not None or n in outside)] for n, g in zip(names, local)],
+            device=self._device(),
+        )
         sums = []
         for n, g in zip(names, local):
             for hook in compat.tensor_grad_hooks(self.params[n]) if g is not None else ():
@@ -313,43 +331,58 @@ class StepCheck:
             before = armed.grads_before.get(n)
             total = torch.zeros_like(self.params[n]) if g is None else g.detach().to(self.params[n].dtype)
             sums.append(total + before if before is not None else total)
-        if not armed.sync:
-            return {
-                n: (s if (g is not None or n in armed.grads_before) else None)
-                for n, g, s in zip(names, local, sums)
-            }
-        world = dist.get_world_size(self.group)
-        all_reduce_coalesced([*sums, produced], group=self.group)
-        expected: dict[str, torch.Tensor | None] = {}
-        for n, s, made in zip(names, sums, produced.tolist()):
-            if made:
-                expected[n] = s / world
-            else:  # no rank produced one: DDP leaves .grad as it was
-                expected[n] = armed.grads_before.get(n)
-        return expected
+        wider = [s + outside[n].to(s.dtype) if n in outside else s.clone() for n, s in zip(names, sums)]
+        if armed.sync:
+            all_reduce_coalesced([*sums, *wider, produced], group=self.group)
+        world = dist.get_world_size(self.group) if armed.sync else 1
+        made = produced.tolist()
+        both = []
+        for col, totals in enumerate((sums, wider)):
+            expected: dict[str, torch.Tensor | None] = {}
+            for n, s, flags in zip(names, totals, made):
+                # No gradient produced (on any rank, when synchronized): .grad stays as it was.
+                expected[n] = s / world if flags[col] else armed.grads_before.get(n)
+            both.append(expected)
+        return both[0], both[1]
 
-    def _compare_grads(self, armed: _Armed, expected: dict[str, torch.Tensor | None]) -> list[str]:
+    def _compare_grads(
+        self,
+        armed: _Armed,
+        expected: dict[str, torch.Tensor | None],
+        with_outside: dict[str, torch.Tensor | None],
+    ) -> list[str]:
+        """Parameters whose gradient is eager DDP's neither from the forward alone nor with the
+        uses outside it added (Note [Gradients by their source])."""
         maxima = [_max_abs(g) for g in expected.values() if g is not None]
         floor = 0.01 * statistics.median([m for m in maxima if m > 0] or [0.0]) or math.ulp(1.0)
+        tol = self._tol(armed)
         out = []
         for n, want in expected.items():
             got = self.params[n].grad
-            if (want is None) != (got is None):
-                state = "has none" if got is None else "has one"
-                out.append(
-                    f"parameter {n} ({self.where(n)}): eager DDP {'has no' if want is None else 'has a'} gradient, the compiled step {state}"
-                )
-                continue
-            if want is None or got is None:
-                continue
-            diff = _max_abs(got.float() - want.float())
-            scale = max(_max_abs(want), floor)
-            if not diff <= self._tol(armed) * scale:
-                out.append(
-                    f"gradient of {n} ({self.where(n)}) differs from eager DDP's by {diff:.3g} "
-                    f"({diff / scale:.2g} of its scale {scale:.3g})"
-                )
+            found = self._grad_finding(n, want, got, floor, tol)
+            if found and self._grad_finding(n, with_outside[n], got, floor, tol):
+                out.append(found)
         return out
+
+    def _grad_finding(
+        self, n: str, want: torch.Tensor | None, got: torch.Tensor | None, floor: float, tol: float
+    ) -> str | None:
+        if (want is None) != (got is None):
+            state = "has none" if got is None else "has one"
+            return (
+                f"parameter {n} ({self.where(n)}): eager DDP {'has no' if want is None else 'has a'} "
+                f"gradient, the compiled step {state}"
+            )
+        if want is None or got is None:
+            return None
+        diff = _max_abs(got.float() - want.float())
+        scale = max(_max_abs(want), floor)
+        if diff <= tol * scale:
+            return None
+        return (
+            f"gradient of {n} ({self.where(n)}) differs from eager DDP's by {diff:.3g} "
+            f"({diff / scale:.2g} of its scale {scale:.3g})"
+        )
 
     def _compare_ranks(self, ref_params: dict[str, torch.Tensor], *, grads: bool) -> list[str]:
         """Parameters at the start of the step, and (after an all-reduce) gradients, equal on every rank."""

@@ -88,6 +88,27 @@ def test_the_default_forward_check_passes_right_models_and_rechecks_after_recomp
         assert res["checked"] == (2 if inject else 1), res
 
 
+@pytest.mark.parametrize(
+    ("run", "model", "inject"),
+    [
+        ("forward_check_run", "gpt", "penalty"),
+        ("forward_check_run", "convbn", "two_forwards"),
+        ("verify_run", "gpt", "penalty"),
+        ("verify_run", "mlp_seq", "two_forwards"),
+    ],
+)
+def test_the_checks_compare_only_what_the_forward_gave_each_gradient(
+    run: str, model: str, inject: str
+) -> None:
+    # Note [Gradients by their source]: .grad also holds the loop's penalty or the second
+    # forward's gradient; both checks raised "gradient of ... differs" on each of these.
+    # verify=True checks each forward of the first step: two here.
+    checked = 2 if (run, inject) == ("verify_run", "two_forwards") else 1
+    for res in run_ranks(getattr(verify_workers, run), 2, model, "aot_eager", inject):
+        assert res["error"] is None, res["error"]
+        assert res["checked"] == checked, res
+
+
 # -- models the checks must not break (they train), and one they must catch --------------------
 
 
