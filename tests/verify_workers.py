@@ -18,9 +18,11 @@ def _loss(
     model: torch.nn.Module, model_name: str, x: torch.Tensor, y: torch.Tensor, inject: str
 ) -> torch.Tensor:
     """The step's loss; ``inject``: ``"penalty"`` (an L2 penalty on every weight, written in
-    the loop), ``"two_forwards"`` (a second forward, on the batch reversed): uses outside the
-    checked forward that add to ``.grad`` too (Note [Gradients by their source])."""
-    loss = loss_fn(model_name, model(x), y)
+    the loop), ``"two_forwards"`` (a second forward, on the batch reversed), ``"temperature"``
+    (the output divided by a parameter the forward never reads): uses outside the checked
+    forward that add to ``.grad`` too (Note [Gradients by their source])."""
+    out = model(x)
+    loss = loss_fn(model_name, out / model.module.temp if inject == "temperature" else out, y)
     if inject == "penalty":
         loss = loss + 1e-2 * sum(p.square().sum() for p in model.parameters())
     if inject == "two_forwards":
@@ -38,10 +40,12 @@ def verify_run(
     ``"powersgd"`` (a communication hook compressing from the first step),
     ``"grad"`` (the compiled backward scales gradients), ``"lengths"`` (sequence lengths
     16, 9, 12: two recompiles), ``"no_sync"`` (each step accumulates two micro-batches),
-    ``"penalty"`` and ``"two_forwards"`` (``_loss``).
+    ``"penalty"``, ``"two_forwards"`` and ``"temperature"`` (``_loss``).
     """
     torch.manual_seed(0)
     net = GradWrongWhenCompiled() if inject == "grad" else BUILDERS[model_name]()
+    if inject == "temperature":
+        net.temp = torch.nn.Parameter(torch.tensor(1.5))
     if inject == "optim_in_backward":  # its parameters change in backward by design
         from torch.distributed.optim import _apply_optimizer_in_backward
 

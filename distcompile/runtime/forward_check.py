@@ -319,7 +319,14 @@ class ForwardCheck:
         if len(leaves) != len(compat.tree_leaves(out)):
             return out
         seen = _Seen(leaves, tol)
-        seen.sources = GradSources(compat.tree_leaves(out), self.params, since=mark)
+        seen.sources = GradSources(
+            compat.tree_leaves(out),
+            self.params,
+            since=mark,
+            abandoned=lambda: log.info(
+                "forward check: gradients not compared, the checked forward got no backward"
+            ),
+        )
         index = iter(range(len(leaves)))
 
         def tap(t: object) -> object:
@@ -335,6 +342,8 @@ class ForwardCheck:
             seen.out_grads[index] = grad.detach()
         if not seen.queued:
             seen.queued = True
+            assert seen.sources is not None
+            seen.sources.reached()
             compat.queue_engine_callback(functools.partial(self._compare_gradients, seen))
 
     def _compare_gradients(self, seen: _Seen) -> None:

@@ -12,7 +12,10 @@ Note [Gradients by their source]
     ``AccumulateGrad``; each hook adds what the node sends down that edge. A parameter
     reached another way (a reentrant checkpoint's nested backward) gets nothing here, so
     the checks accept a gradient that matches eager's either way: what the forward's nodes
-    sent, or what ``.grad`` gained (a post-accumulate hook: the sum). ``verify=True``,
+    sent, or what ``.grad`` gained (a post-accumulate hook: the sum). A backward that
+    writes ``.grad`` without reaching the forward's outputs (the forward was never
+    backpropagated: a forward to look at outputs) ends the watch: every hook is removed, and
+    the check is told. ``verify=True``,
     which compares reduced gradients, adds the difference of the two (the uses outside the
     forward) to eager's side for the first.
 """
@@ -20,7 +23,7 @@ Note [Gradients by their source]
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -32,7 +35,8 @@ __all__ = ["GradSources"]
 class GradSources:
     """For each of ``params`` (by name): what the autograd graph behind ``outputs`` sends it
     (``sent``, summed over the backward passes until :meth:`clear`) and what its ``.grad``
-    gains in the backward that writes it (``gained``, from every use).
+    gains from every use in the backward that writes it (``gained``). The checks call
+    :meth:`reached` when that backward reaches ``outputs``.
 
     Example:
         >>> lin = torch.nn.Linear(2, 1)
@@ -45,10 +49,20 @@ class GradSources:
         >>> sources.remove()
     """
 
-    def __init__(self, outputs: list, params: Mapping[str, torch.Tensor], *, since: int) -> None:
+    def __init__(
+        self,
+        outputs: list,
+        params: Mapping[str, torch.Tensor],
+        *,
+        since: int,
+        abandoned: Callable[[], None] = lambda: None,
+    ) -> None:
         self.sent: dict[str, torch.Tensor] = {}
         self.gained: dict[str, torch.Tensor] = {}
         self._before = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
+        self._abandoned = abandoned
+        self._reached = False  # the running backward got to the outputs
+        self._ending = False  # a callback at the end of the running backward is queued
         by_id = {id(p): n for n, p in params.items()}
         stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         held: list = []  # the nodes visited: their Python objects (and ids) stay the same while held
@@ -74,6 +88,10 @@ class GradSources:
             for n, p in params.items()
         ]
 
+    def reached(self) -> None:
+        """The running backward got to the forward's outputs."""
+        self._reached = True
+
     def _add(self, pairs: list[tuple[int, str]], grad_inputs: tuple, grad_outputs: tuple) -> None:
         for k, name in pairs:
             g = grad_inputs[k]
@@ -86,6 +104,9 @@ class GradSources:
         grad = param.grad
         if grad is None or grad.is_sparse:  # stepped by an optimizer in backward; sparse: apart
             return
+        if not self._ending:
+            self._ending = True
+            compat.queue_engine_callback(self._backward_ended)
         before = self._before.get(name)
         self.gained[name] = grad.detach() - before if before is not None else grad.detach().clone()
 
@@ -94,12 +115,19 @@ class GradSources:
         sent = self.sent
         return {n: g - sent[n] if n in sent else g for n, g in self.gained.items()}
 
+    def _backward_ended(self) -> None:
+        self._ending = False
+        if not self._reached:  # .grad written by another forward's backward: this one was let go
+            self.remove()
+            self._abandoned()
+
     def clear(self) -> None:
         """Forget what was sent (a backward that wrote no ``.grad``: ``autograd.grad``)."""
         self.sent = {}
+        self._reached = False
 
     def remove(self) -> None:
-        """Remove the hooks."""
+        """Remove every hook."""
         for h in self._handles:
             h.remove()
         self._handles = []

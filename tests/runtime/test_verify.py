@@ -95,13 +95,15 @@ def test_the_default_forward_check_passes_right_models_and_rechecks_after_recomp
         ("forward_check_run", "convbn", "two_forwards"),
         ("verify_run", "gpt", "penalty"),
         ("verify_run", "mlp_seq", "two_forwards"),
+        ("verify_run", "mlp_seq", "temperature"),
     ],
 )
 def test_the_checks_compare_only_what_the_forward_gave_each_gradient(
     run: str, model: str, inject: str
 ) -> None:
-    # Note [Gradients by their source]: .grad also holds the loop's penalty or the second
-    # forward's gradient; both checks raised "gradient of ... differs" on each of these.
+    # Note [Gradients by their source]: .grad also holds the loop's penalty, the second
+    # forward's gradient or a temperature's; both checks raised "gradient of ... differs" or
+    # "eager DDP has no gradient" on each of these.
     # verify=True checks each forward of the first step: two here.
     checked = 2 if (run, inject) == ("verify_run", "two_forwards") else 1
     for res in run_ranks(getattr(verify_workers, run), 2, model, "aot_eager", inject):
