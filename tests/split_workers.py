@@ -36,8 +36,13 @@ def split_parity(rank: int, world: int, mode: str, steps: int = 3) -> dict:
     (fused bf16 compression on distcompile; eager DDP in fp32: DDP's bf16 hook needs CUDA), ``off``
     (``split_shared=False``), ``verify`` (``verify=True``), ``dense`` (a table whose rows are
     mostly touched every step), ``dense_find_unused`` (the same, frozen layout), ``eager_use`` (an L2
-    penalty on the tied table outside the model: every row gets a gradient)."""
+    penalty on the tied table outside the model: every row gets a gradient), ``eager_use_retry``
+    (the same, the table tried by rows again every 2 steps instead of ``DENSE_FOR``)."""
     warnings = distcompile_messages(logging.WARNING)
+    if mode == "eager_use_retry":
+        import distcompile.runtime.shared_weights as shared_weights
+
+        shared_weights.DENSE_FOR = 2  # this rank's process only
     cfg = DENSE if mode.startswith("dense") else CFG
     torch.manual_seed(0)
     base = GPT(cfg)
@@ -57,7 +62,7 @@ def split_parity(rank: int, world: int, mode: str, steps: int = 3) -> dict:
                     GPT.loss(model(x), y).backward()
             x, y = synthetic_batch(cfg, batch_size=4, step=step, rank=rank)
             loss = GPT.loss(model(x), y)
-            if mode == "eager_use":  # the table read outside the model: every row gets a gradient
+            if mode.startswith("eager_use"):  # the table read outside the model: every row gets a gradient
                 loss = loss + 1e-3 * model.module.wte.weight.square().sum()
             loss.backward()
             row.append(float(loss.detach()))

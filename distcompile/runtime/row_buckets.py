@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,11 @@ from .bucket import WIRE_DTYPES, OneParamBucket
 __all__ = ["DENSE_FOR", "PROBED_WRITES", "ROWS_MIN_BYTES", "ROWS_WHEN_BELOW", "RowBucket"]
 
 log = logging.getLogger(__name__)
+
+#: Tables whose rows did not fit, already said (a table with parts is tried by rows again
+#: every ``DENSE_FOR`` steps, on a bucket built anew).
+#: By id: the entry goes with the table, so an id reused later is not taken for it.
+_WARNED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 #: Reduce rows rather than the whole table when they are at most this share of its rows.
 ROWS_WHEN_BELOW = 0.75
@@ -225,13 +231,15 @@ class RowBucket(OneParamBucket):
     def _reduce_whole_now(self) -> None:
         """Some rank's rows did not fit: reduce the whole table now (every rank saw the same counts,
         so every rank does), and from now on."""
-        if not self.overflowed:
+        if id(self.params[0]) not in _WARNED:  # once a table: a table with parts tries rows again
+            _WARNED[id(self.params[0])] = self.params[0]
             log.warning(
                 "embedding table %r got gradients on more rows than its lookups touch (a use outside "
                 "the compiled graphs, e.g. a penalty on the weight in the training loop): reduced "
-                "whole from now on, this step included. split_shared=False reduces it whole from the "
-                "start.",
+                "whole from this step on (a tied table's rows are tried again every %d steps). "
+                "split_shared=False reduces it whole from the start.",
                 self.names[0],
+                DENSE_FOR,
             )
         self.overflowed = self.found_dense = True
         p = self.params[0]

@@ -114,6 +114,17 @@ def test_a_table_also_read_outside_the_graphs_is_reduced_whole_and_stays_exact()
     _reduced_whole_after_the_first_step(res)
 
 
+def test_a_table_tried_by_rows_again_warns_once() -> None:
+    # A tied table's rows are tried again after DENSE_FOR steps on a bucket built anew; each
+    # try overflows and reduces whole again (exact), and said it again before 2026-11-29.
+    results = run_ranks(split_workers.split_parity, 2, "eager_use_retry", 8)
+    _check(results)
+    layouts = results[0]["layouts"]
+    assert sum(any("@" in n for _, names in layout for n in names) for layout in layouts) >= 2, layouts
+    warned = [w for w in results[0]["warnings"] if "more rows than its lookups touch" in w]
+    assert len(warned) == 1, warned
+
+
 def test_rows_past_the_bound_reduce_the_table_whole_on_every_rank_even_a_joined_one() -> None:
     results = run_ranks(split_workers.row_bucket_overflow, 2, timeout=120)
     assert [r["overflowed"] for r in results] == [True, True], results  # the same decision on both
