@@ -349,7 +349,7 @@ class ForwardCheck:
     def _compare_gradients(self, seen: _Seen) -> None:
         sources = seen.sources
         assert sources is not None
-        if not sources.gained:  # autograd.grad (no .grad written): wait for the backward that writes
+        if not sources.wrote:  # autograd.grad (no .grad written): wait for the backward that writes
             seen.queued = False
             seen.out_grads.clear()
             sources.clear()

@@ -59,6 +59,7 @@ class GradSources:
     ) -> None:
         self.sent: dict[str, torch.Tensor] = {}
         self.gained: dict[str, torch.Tensor] = {}
+        self.wrote = False  # the running backward wrote some parameter's .grad (not autograd.grad)
         self._before = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
         self._abandoned = abandoned
         self._reached = False  # the running backward got to the outputs
@@ -101,12 +102,13 @@ class GradSources:
             self.sent[name] = g.detach().clone() if before is None else before + g.detach()
 
     def _accumulated(self, name: str, param: torch.Tensor) -> None:
-        grad = param.grad
-        if grad is None or grad.is_sparse:  # stepped by an optimizer in backward; sparse: apart
-            return
+        self.wrote = True
         if not self._ending:
             self._ending = True
             compat.queue_engine_callback(self._backward_ended)
+        grad = param.grad
+        if grad is None or grad.is_sparse:  # stepped by an optimizer in backward; sparse: apart
+            return
         before = self._before.get(name)
         self.gained[name] = grad.detach() - before if before is not None else grad.detach().clone()
 
@@ -124,7 +126,7 @@ class GradSources:
     def clear(self) -> None:
         """Forget what was sent (a backward that wrote no ``.grad``: ``autograd.grad``)."""
         self.sent = {}
-        self._reached = False
+        self._reached = self.wrote = False
 
     def remove(self) -> None:
         """Remove every hook."""

@@ -207,7 +207,7 @@ class StepCheck:
     def _finish(self, armed: _Armed) -> None:
         sources = armed.sources
         assert sources is not None
-        if self.params and not sources.gained:  # autograd.grad: wait for the backward that writes .grad
+        if self.params and not sources.wrote:  # autograd.grad: wait for the backward that writes .grad
             armed.queued = False
             armed.grads_in.clear()
             sources.clear()

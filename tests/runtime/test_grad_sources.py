@@ -49,11 +49,11 @@ def test_a_forward_that_gets_no_backward_is_let_go_at_the_next_backward() -> Non
     out = net(x)
     sources = GradSources([out], params, since=mark, abandoned=lambda: let_go.append(True))
     torch.autograd.grad(out.sum(), [params["2.bias"]], retain_graph=True)
-    assert sources.gained == {} and set(sources.sent) == {"2.bias"} and not let_go
+    assert not sources.wrote and sources.gained == {} and set(sources.sent) == {"2.bias"} and not let_go
     sources.clear()  # the checks' answer to a pass that wrote no .grad
     sources.reached()  # then the backward that writes .grad reaches the outputs: kept
     out.sum().backward(retain_graph=True)
-    assert set(sources.gained) == set(params) and not let_go
+    assert sources.wrote and set(sources.gained) == set(params) and not let_go
     sources.clear()
     net(x).sum().backward()  # another forward's backward
     assert let_go == [True]
