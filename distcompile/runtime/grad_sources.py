@@ -66,15 +66,13 @@ class GradSources:
         self._ending = False  # a callback at the end of the running backward is queued
         by_id = {id(p): n for n, p in params.items()}
         stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        held: list = []  # the nodes visited: their Python objects (and ids) stay the same while held
-        visited: set[int] = set()
+        visited: set = set()  # a node's Python object stays the same while the graph lives
         edges: dict[object, list[tuple[int, str]]] = {}
         while stack:
             node = stack.pop()
-            if id(node) in visited or compat.node_order(node) <= since:
+            if node in visited or compat.node_order(node) <= since:
                 continue
-            visited.add(id(node))
-            held.append(node)
+            visited.add(node)
             for k, (child, _) in enumerate(node.next_functions):
                 name = by_id.get(id(getattr(child, "variable", None)))
                 if name is not None:

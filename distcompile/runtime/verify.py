@@ -199,8 +199,8 @@ class StepCheck:
             armed.grads_in[index] = grad.detach()
         if not armed.queued:
             armed.queued = True
-            if armed.sources is not None:
-                armed.sources.reached()
+            assert armed.sources is not None  # attach() made it before any tap
+            armed.sources.reached()
             compat.queue_engine_callback(functools.partial(self._finish, armed))
 
     # -- backward side --------------------------------------------------------------------
