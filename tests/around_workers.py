@@ -283,3 +283,45 @@ def hooks_after_steps(rank: int, world: int, backend: str) -> dict:
         net[-1].weight.register_hook(lambda g: g * 2)
     losses += _train((ref, ours), opts, rank, range(2, 5))
     return {"losses": losses, "params": _params(ours), "ref_params": _params(ref), "graphs": len(ours.graphs)}
+
+
+def _second_backward(how: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    if how == "retain":  # a second loss backpropagated through the graph the first kept
+        out = model(x)
+        loss_fn(NAME, out, y).backward(retain_graph=True)
+        (0.1 * out.square().mean()).backward()
+    elif how == "two_forwards":  # both forwards first, then both backwards
+        first, second = loss_fn(NAME, model(x[:2]), y[:2]), loss_fn(NAME, model(x[2:]), y[2:])
+        first.backward()
+        second.backward()
+    else:  # no_sync accumulation: the gradient of the first half is local on purpose
+        with model.no_sync():
+            loss_fn(NAME, model(x[:2]), y[:2]).backward()
+        loss_fn(NAME, model(x[2:]), y[2:]).backward()
+
+
+def backward_after_step(rank: int, world: int, how: str) -> dict:
+    """A backward after the step's gradients were averaged (``how``) trains as eager DDP does,
+    gradients left local, and distcompile says so once; ``no_sync`` accumulation says nothing."""
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("distcompile").addHandler(handler)
+    torch.manual_seed(0)
+    base = mlp_seq()
+    ref, ours = DDP(copy.deepcopy(base)), distcompile.wrap(DDP(copy.deepcopy(base)), backend="aot_eager")
+    opts = _sgd(ref, ours)
+    for step in range(3):
+        x, y = batch(NAME, rank, step)
+        for model, opt in zip((ref, ours), opts):
+            _second_backward(how, model, x, y)
+            opt.step()
+            opt.zero_grad()
+    ours.close()
+    return {
+        "ref": [p.numpy() for p in _params(ref)],
+        "ours": [p.numpy() for p in _params(ours)],
+        "said": [m for m in said if "arrived after this step's gradients were averaged" in m],
+    }

@@ -142,6 +142,8 @@ class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):
         self._require_forward_param_sync = sync
         if sync:
             self._reducer.begin_forward(join_work, self._divide_by_initial)
+        elif torch.is_grad_enabled():
+            self._reducer.forward_unsynced()
         if s.device is not None:
             args, kwargs = compat.tree_map_only(
                 torch.Tensor, lambda t: t.to(s.device, non_blocking=True), (args, kwargs)

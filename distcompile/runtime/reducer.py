@@ -29,6 +29,16 @@ Algorithm
     The flat buffers, their used flags and how they avoid host synchronization: Note
     [Flat buckets] in ``bucket.py``.
 
+Note [A backward after the step]
+    A step's gradients are averaged when its first ``backward()`` ends. A second backward of
+    the same forward (``retain_graph=True`` and a second loss; or two forwards, then two
+    backwards) adds gradients after that: eager DDP leaves them local, silently, and so
+    does distcompile (DDP's semantics), but it says so once, naming the parameter. Told
+    apart from ``no_sync()`` accumulation by the forward: a gradient that arrives after a
+    step ended and before any other forward under gradients ran. A penalty backpropagated
+    apart from the loss gets the message too, though its gradient, the same on every rank,
+    keeps them in sync: no communication can tell the two apart.
+
 Debugging
     ``BucketReducer.last_step`` holds the last ``StepStats``; DEBUG logging for ``distcompile`` shows launches.
 """
@@ -111,6 +121,10 @@ class BucketReducer:
         self.grad_as_view = grad_as_view
         self._step: OpenStep | None = None
         self._warned_unsynced = False
+        # Note [A backward after the step]: the last synchronized forward's step has ended and
+        # no forward ran since; a gradient now comes from a second backward of that forward.
+        self._synced = False
+        self._warned_late = False
         self.last_step = StepStats()
         self._name_of = {id(p): n for n, p in self.params.items()}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params.values()]
@@ -142,11 +156,17 @@ class BucketReducer:
                 self.layout.clear()  # buckets are rebuilt for the new hook
             self.optimizers.adopt_new()
             self._step = OpenStep(join_work, divide_by_initial)
+            self._synced = False
             self.layout.begin_step()
             self.writeback.new_step()
             self.parts.clear()
             if self.observer is not None:
                 self.observer.begin_step()
+
+    def forward_unsynced(self) -> None:
+        """A forward under gradients that synchronizes nothing (``no_sync()``) ran: its backward
+        accumulates locally, as asked (Note [A backward after the step])."""
+        self._synced = False
 
     def set_comm_hook(self, hook: CommHook | None, compression: str | None) -> None:
         """Reduce with ``hook`` (or the fused path with ``compression``) from the next step on."""
@@ -209,6 +229,8 @@ class BucketReducer:
         if step is None:
             if self.grads_in_graph_memory:
                 take_ownership(param)
+            if self._synced and not self._warned_late:
+                self._warn_late(param)
             if not self._warned_unsynced:
                 self._warned_unsynced = True
                 log.debug(
@@ -227,6 +249,18 @@ class BucketReducer:
                 self._launch_ready(step)
         if step.streaming:
             self.writeback.write_finished(step, self.steps)
+
+    def _warn_late(self, param: torch.Tensor) -> None:
+        self._warned_late = True
+        log.warning(
+            "the gradient of %s arrived after this step's gradients were averaged across ranks: a second "
+            "backward() of a forward whose step already ended (retain_graph=True and a second loss, or two "
+            "forwards and then two backwards). It is not averaged (eager DDP does the same), so where it "
+            "differs between ranks the ranks drift apart. Add the losses and call backward() once, or run "
+            "each forward's backward before the next forward (no_sync() around all but the last). Harmless "
+            "if that gradient is the same on every rank (a penalty on the weights alone). Said once.",
+            self._name_of.get(id(param), "a parameter"),
+        )
 
     def _scale(self, step: OpenStep) -> float:
         if step.scale is None:
@@ -300,6 +334,7 @@ class BucketReducer:
             report_uncompiled(step.order or (), claimed, self.params, log)
         self.last_step = stats
         self.steps += 1
+        self._synced = True
         if self._step_events:  # the first rank of each node: one line a step and node
             _events.emit("step", n=self.steps)
 

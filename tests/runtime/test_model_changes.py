@@ -106,3 +106,20 @@ def test_hooks_added_after_the_first_steps_are_honoured(backend: str) -> None:
     _check(results) if backend == "aot_eager" else None
     for res in results:
         np.testing.assert_allclose(res["params"][0], res["ref_params"][0], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("how", ["retain", "two_forwards", "no_sync"])
+def test_a_backward_after_the_step_trains_as_eager_ddp_and_is_said_once(how: str) -> None:
+    results = run_ranks(around_workers.backward_after_step, 2, how)
+    for res in results:
+        for ref, ours in zip(res["ref"], res["ours"]):
+            np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5)
+    apart = max(float(np.abs(a - b).max()) for a, b in zip(results[0]["ours"], results[1]["ours"]))
+    if how == "no_sync":
+        assert apart == 0.0 and results[0]["said"] == [], (apart, results[0]["said"])
+        return
+    # Eager DDP leaves the second backward's gradients local: the ranks drift apart, as here.
+    assert apart > 1e-6, apart
+    for res in results:
+        said = res["said"]
+        assert len(said) == 1 and "no_sync()" in said[0] and ".weight" in said[0], said
