@@ -325,3 +325,46 @@ def backward_after_step(rank: int, world: int, how: str) -> dict:
         "ours": [p.numpy() for p in _params(ours)],
         "said": [m for m in said if "arrived after this step's gradients were averaged" in m],
     }
+
+
+class _Rebinding(nn.Module):
+    """Keeps a running mean by rebinding its buffer in forward, every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp_seq()
+        self.register_buffer("running", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        if self.training:
+            self.running = 0.9 * self.running + 0.1 * out.detach().mean(0)
+        return out - self.running
+
+
+def rebound_buffer(rank: int, world: int, broadcast: bool) -> dict:
+    """A buffer the forward rebinds every step, over more steps than TorchDynamo's recompile
+    limit: trains as eager DDP (``broadcast_buffers`` either way), and nothing is adopted."""
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("distcompile").addHandler(handler)
+    torch.manual_seed(0)
+    base = _Rebinding()
+    kwargs = {} if broadcast else {"broadcast_buffers": False}
+    ref, ours = DDP(copy.deepcopy(base), **kwargs), DDP(copy.deepcopy(base), **kwargs)
+    ours = distcompile.wrap(ours, backend="aot_eager")
+    losses = _train((ref, ours), _sgd(ref, ours), rank, range(10))
+    out = {
+        "losses": losses,
+        "params": _params(ours),
+        "ref_params": _params(ref),
+        # Each rank's last forward moved its own running mean, broadcast or not (as under DDP).
+        "running": (ours.module.running.clone(), ref.module.running.clone()),
+        "steps": ours._reducer.steps,
+        "adopted": [m for m in said if "changed since wrap" in m],
+    }
+    ours.close()
+    return out

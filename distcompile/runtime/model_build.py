@@ -149,8 +149,11 @@ class ModelBuild:
     def _adopt_changes(self) -> None:
         """Note [Parameters that change after wrap]: take the model as it is now, on every rank."""
         change = self._watch.compare()
-        if not change:  # a frozen parameter, a submodule without trainable state: nothing synchronized
+        # A frozen parameter, a submodule without trainable state, buffers the forward rebinds:
+        # nothing synchronized changed.
+        if not change or change.only_rebound:
             self._watch.take()
+            self._buffers_list = list(self._watch.buffers.values())
             return
         tensors = {**self._watch.trainable_now(), **self._watch.buffers_now()}
         missing = on_meta(tensors)

@@ -24,7 +24,13 @@ Algorithm
       under ``torch.__future__`` settings) or removed, a buffer replaced, and a flag
       flipped all show.
     * ``compare()`` then says what changed in the trainable parameters and the buffers, by
-      name; the module adopts it (``runtime/module.py``: the ranks agree on it, rank 0's
+      name; a buffer the model only rebound (``self.running = 0.9 * self.running + ...`` in
+      its own forward, every step: the same name, shape, dtype and device) is taken as it is,
+      with nothing rebuilt or agreed: graphs read buffers as inputs, broadcast (under
+      ``broadcast_buffers``) goes on with the new tensor, and without it each rank keeps its
+      own, as under DDP. Until 2026-11-29 it was adopted as below at every step (0.2-0.6 s
+      a step on a small model), until TorchDynamo's recompile limit left the model eager.
+      Anything else, the module adopts (``runtime/module.py``: the ranks agree on it, rank 0's
       values of the new tensors are broadcast, and the reducer and the compiled graphs are
       rebuilt) or, where nothing that is synchronized changed, just notes the new state.
 
@@ -64,6 +70,7 @@ class ModelChange:
         buffers: Buffers added, removed or replaced.
         hooks: Modules (or parameters, by the module that holds them) whose hooks came or went:
             TorchDynamo does not see them in graphs compiled before.
+        rebound: Those of ``buffers`` that hold another tensor of the same shape, dtype and device.
     """
 
     replaced: tuple[str, ...] = ()
@@ -71,6 +78,18 @@ class ModelChange:
     removed: tuple[str, ...] = ()
     buffers: tuple[str, ...] = ()
     hooks: tuple[str, ...] = ()
+    rebound: tuple[str, ...] = ()
+
+    @property
+    def only_rebound(self) -> bool:
+        """Whether the change is buffers rebound to like tensors and nothing else: nothing to adopt.
+
+        Example:
+            >>> ModelChange(buffers=("bn.mean",), rebound=("bn.mean",)).only_rebound
+            True
+        """
+        rest = self.replaced or self.added or self.removed or self.hooks
+        return bool(self.buffers) and self.buffers == self.rebound and not rest
 
     def __bool__(self) -> bool:
         return bool(self.replaced or self.added or self.removed or self.buffers or self.hooks)
@@ -159,6 +178,9 @@ class ModelWatch:
         now, before = self.trainable_now(), self.trainable
         bufs, old_bufs = self.buffers_now(), self.buffers
         owners, hooks = self._hook_owner, self._hook_counts()
+        changed = tuple(
+            n for n in {**old_bufs, **bufs} if old_bufs.get(n) is None or bufs.get(n) is not old_bufs[n]
+        )
         return ModelChange(
             hooks=tuple(
                 dict.fromkeys(o or "(the model)" for o, a, b in zip(owners, hooks, self._hooks) if a != b)
@@ -166,9 +188,8 @@ class ModelWatch:
             replaced=tuple(n for n, p in now.items() if n in before and before[n] is not p),
             added=tuple(n for n in now if n not in before),
             removed=tuple(n for n in before if n not in now),
-            buffers=tuple(
-                n for n in {**old_bufs, **bufs} if old_bufs.get(n) is None or bufs.get(n) is not old_bufs[n]
-            ),
+            buffers=changed,
+            rebound=tuple(n for n in changed if n in bufs and n in old_bufs and _alike(bufs[n], old_bufs[n])),
         )
 
     def trainable_now(self) -> dict[str, nn.Parameter]:
@@ -178,6 +199,10 @@ class ModelWatch:
     def buffers_now(self) -> dict[str, torch.Tensor]:
         """The buffers the model holds now (not ignored), by name."""
         return {n: b for n, b in self.module.named_buffers() if n not in self.ignored}
+
+
+def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
 def on_meta(tensors: Mapping[str, torch.Tensor]) -> list[str]:
