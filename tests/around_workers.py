@@ -344,7 +344,8 @@ class _Rebinding(nn.Module):
 
 def rebound_buffer(rank: int, world: int, broadcast: bool) -> dict:
     """A buffer the forward rebinds every step, over more steps than TorchDynamo's recompile
-    limit: trains as eager DDP (``broadcast_buffers`` either way), and nothing is adopted."""
+    limit, and an evaluation after each step: trains and evaluates as eager DDP
+    (``broadcast_buffers`` either way), and nothing is adopted."""
     import logging
 
     said: list[str] = []
@@ -356,9 +357,15 @@ def rebound_buffer(rank: int, world: int, broadcast: bool) -> dict:
     kwargs = {} if broadcast else {"broadcast_buffers": False}
     ref, ours = DDP(copy.deepcopy(base), **kwargs), DDP(copy.deepcopy(base), **kwargs)
     ours = distcompile.wrap(ours, backend="aot_eager")
-    losses = _train((ref, ours), _sgd(ref, ours), rank, range(10))
+    opts, losses, evals = _sgd(ref, ours), [], []
+    for step in range(10):
+        losses += _train((ref, ours), opts, rank, range(step, step + 1))
+        with torch.no_grad():  # an evaluation broadcasts the buffers the model holds now, as DDP's
+            evals.append([m.eval()(batch(NAME, rank, step)[0]) for m in (ref, ours)])
+        ref.train(), ours.train()
     out = {
         "losses": losses,
+        "evals": evals,
         "params": _params(ours),
         "ref_params": _params(ref),
         # Each rank's last forward moved its own running mean, broadcast or not (as under DDP).

@@ -152,8 +152,7 @@ class ModelBuild:
         # A frozen parameter, a submodule without trainable state, buffers the forward rebinds:
         # nothing synchronized changed.
         if not change or change.only_rebound:
-            self._watch.take()
-            self._buffers_list = list(self._watch.buffers.values())
+            self._retake()
             return
         tensors = {**self._watch.trainable_now(), **self._watch.buffers_now()}
         missing = on_meta(tensors)
@@ -185,6 +184,19 @@ class ModelBuild:
         self._life += 1
         self._watch.take()
         self._build(previous)
+
+    def _retake(self) -> None:
+        """Note the model as it is now: nothing synchronized changed, buffers may be rebound."""
+        self._watch.take()
+        self._buffers_list = list(self._watch.buffers.values())
+
+    def _take_rebound_buffers(self) -> None:
+        """Before a broadcast of buffers: take those the last forward rebound (nothing else is
+        adopted outside a training forward)."""
+        if self._watch.buffers_moved():
+            change = self._watch.compare()
+            if not change or change.only_rebound:
+                self._retake()
 
     def _take_changes(self) -> None:
         """Note [Parameters that change after wrap]: at a forward that may open a step (and at

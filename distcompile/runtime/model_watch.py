@@ -28,7 +28,8 @@ Algorithm
       its own forward, every step: the same name, shape, dtype and device) is taken as it is,
       with nothing rebuilt or agreed: graphs read buffers as inputs, broadcast (under
       ``broadcast_buffers``) goes on with the new tensor, and without it each rank keeps its
-      own, as under DDP. Until 2026-11-29 it was adopted as below at every step (0.2-0.6 s
+      own, as under DDP. An evaluation forward (no gradients) that broadcasts checks the
+      buffers alone first (``buffers_moved``), so that it sends the tensors the model holds. Until 2026-11-29 it was adopted as below at every step (0.2-0.6 s
       a step on a small model), until TorchDynamo's recompile limit left the model eager.
       Anything else, the module adopts (``runtime/module.py``: the ranks agree on it, rank 0's
       values of the new tensors are broadcast, and the reducer and the compiled graphs are
@@ -149,6 +150,10 @@ class ModelWatch:
         # Holding the objects keeps their ids from being reused while they are compared.
         self._held = list(map(dict.get, self._slot_dicts, self._slot_keys))
         self._ids = list(map(id, self._held))
+        buffer_dicts = [compat.module_dicts(m)[1] for m in mods]
+        self._buffer_dicts = [d for d in buffer_dicts for _ in d]
+        self._buffer_keys = [k for d in buffer_dicts for k in d]
+        self._buffer_ids = list(map(id, map(dict.get, self._buffer_dicts, self._buffer_keys)))
         self._params = list(self.module.parameters())
         self._grads = list(map(_requires_grad, self._params))
         self._paths = [n for n, _ in self.module.named_modules()]
@@ -169,6 +174,16 @@ class ModelWatch:
             or list(map(id, map(dict.get, self._slot_dicts, self._slot_keys))) != self._ids
             or list(map(_requires_grad, self._params)) != self._grads
         )
+
+    def buffers_moved(self) -> bool:
+        """Whether a buffer entry holds another tensor now (one C-level pass over the buffers alone).
+
+        Example:
+            >>> net = nn.BatchNorm1d(2); watch = ModelWatch(net)
+            >>> net.running_mean = torch.ones(2); watch.buffers_moved()
+            True
+        """
+        return list(map(id, map(dict.get, self._buffer_dicts, self._buffer_keys))) != self._buffer_ids
 
     def _hook_counts(self) -> list[int]:
         return list(map(len, self._hook_dicts))

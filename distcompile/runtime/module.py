@@ -246,6 +246,7 @@ class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):
     def _sync_buffers(self) -> None:
         s = self._settings
         if s.broadcast_buffers and self._require_forward_param_sync and self._buffers_list:
+            self._take_rebound_buffers()
             with torch.no_grad():
                 broadcast_coalesced(self._buffers_list, src=self._ranks[0], group=s.group)
 

@@ -131,4 +131,6 @@ def test_a_buffer_the_forward_rebinds_each_step_is_taken_as_it_is(broadcast: boo
     _check(results)
     for res in results:
         np.testing.assert_allclose(*res["running"], rtol=1e-4, atol=1e-5)
+        for ref, ours in res["evals"]:
+            np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5)
         assert res["adopted"] == [] and res["steps"] == 10, (res["adopted"], res["steps"])
