@@ -33,7 +33,8 @@ Note [A backward after the step]
     A step's gradients are averaged when its first ``backward()`` ends. A second backward of
     the same forward (``retain_graph=True`` and a second loss; or two forwards, then two
     backwards) adds gradients after that: eager DDP leaves them local, silently, and so
-    does distcompile (DDP's semantics), but it says so once, naming the parameter. Told
+    does distcompile (DDP's semantics), but it says so once, naming the parameter; so is the
+    backward of a forward that went around the wrapper (``model.module(x)``). Told
     apart from ``no_sync()`` accumulation by the forward: a gradient that arrives after a
     step ended and before any other forward under gradients ran. A penalty backpropagated
     apart from the loss gets the message too, though its gradient, the same on every rank,
@@ -255,10 +256,12 @@ class BucketReducer:
         log.warning(
             "the gradient of %s arrived after this step's gradients were averaged across ranks: a second "
             "backward() of a forward whose step already ended (retain_graph=True and a second loss, or two "
-            "forwards and then two backwards). It is not averaged (eager DDP does the same), so where it "
-            "differs between ranks the ranks drift apart. Add the losses and call backward() once, or run "
-            "each forward's backward before the next forward (no_sync() around all but the last). Harmless "
-            "if that gradient is the same on every rank (a penalty on the weights alone). Said once.",
+            "forwards and then two backwards), or the backward of a forward that went around the wrapped "
+            "model (model.module(x)). It is not averaged (eager DDP does the same), so where it differs "
+            "between ranks the ranks drift apart. Add the losses and call backward() once, run each "
+            "forward's backward before the next forward (no_sync() around all but the last), and call the "
+            "wrapped model itself. Harmless if that gradient is the same on every rank (a penalty on the "
+            "weights alone). Said once.",
             self._name_of.get(id(param), "a parameter"),
         )
 
