@@ -8,7 +8,7 @@ import torch
 
 from .version import unsupported
 
-__all__ = ["drop_buffer", "hook_dicts", "module_dicts", "release_backend"]
+__all__ = ["drop_buffer", "hook_dicts", "inside_dynamo", "module_dicts", "release_backend"]
 
 
 def release_backend(backend: Callable) -> int:
@@ -96,3 +96,18 @@ def hook_dicts(module: torch.nn.Module) -> list[dict]:
         module._backward_hooks,
         module._backward_pre_hooks,
     ]
+
+
+def inside_dynamo() -> bool:
+    """Whether this code runs under a TorchDynamo frame callback: inside a ``torch.compile``'d
+    function (its parts between graph breaks run with the callback set, and TorchDynamo tries
+    to compile every frame they call, gradient hooks included). Outside: ``None`` or ``False``.
+    Checked: 2.13, 2.15 (``torch._C._dynamo.eval_frame.get_eval_frame_callback``).
+
+    Example:
+        >>> inside_dynamo()
+        False
+    """
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+    return get_eval_frame_callback() not in (None, False)

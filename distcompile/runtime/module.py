@@ -121,6 +121,8 @@ class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):
     # -- running -----------------------------------------------------------------------
     def forward(self, *args: object, **kwargs: object) -> object:
         """Run the compiled model; a later ``backward()`` averages gradients across ranks."""
+        if compat.inside_dynamo():
+            raise self._inside_compile()
         if self._closed or self._reducer is None:
             return self._forward_unbuilt(args, kwargs)
         if not self._outer_checked:
@@ -182,6 +184,16 @@ class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):
         elif check is None and self._check is not None and len(self.graphs) > graphs:
             self._check.pending = True  # a recompile: check the next training step
         return out
+
+    def _inside_compile(self) -> UnsupportedModelError:
+        return UnsupportedModelError(
+            "the distcompile model was called inside a torch.compile'd function (or a module compiled "
+            "around it). distcompile compiles the model itself; a compile around it would trace "
+            "distcompile's own gradient synchronization (its hooks run inside the backward of that "
+            "function), which TorchDynamo cannot compile. Call the model outside torch.compile: compile "
+            "the loss or the optimizer step on their own (torch.compile(loss_fn), torch.compile(opt.step)), "
+            "or leave distcompile out and torch.compile the DDP model."
+        )
 
     def _failed(self, exc: BaseException) -> None:
         """Record this rank's error: peers blocked in an all-reduce with this rank can then name it."""

@@ -147,6 +147,25 @@ def test_already_compiled(single_rank_group) -> None:
         distcompile.wrap(wrapped)
 
 
+@pytest.mark.parametrize("around", ["step", "module"])
+def test_a_compile_around_the_wrapped_model_is_a_clear_error(single_rank_group, around: str) -> None:
+    # A compiled step (forward and backward) traced distcompile's gradient hooks, and failed as a
+    # CommunicationError naming the peers; torch.compile(wrapped) ran into the same.
+    ours = distcompile.wrap(DDP(nn.Linear(2, 2)), backend="eager")
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = ours(x).sum()
+        loss.backward()
+        return loss
+
+    run = torch.compile(step) if around == "step" else (lambda x: torch.compile(ours)(x).sum().backward())
+    with pytest.raises(
+        UnsupportedModelError, match="inside a torch.compile'd function.*torch.compile\\(loss_fn\\)"
+    ):
+        run(torch.randn(3, 2))
+    step(torch.randn(3, 2))  # called outside any compile: it trains
+
+
 def test_ddp_with_python_reducer_rejected(single_rank_group) -> None:
     with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
         ddp = DDP(nn.Linear(2, 2))
