@@ -1,10 +1,12 @@
-"""What TorchDynamo keeps of what it compiled (cache entries, backends), and nn.Module's own dicts."""
+"""What TorchDynamo keeps of what it compiled (cache entries, backends), whether it is running
+now, and nn.Module's own dicts."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
 
 from .version import unsupported
 
@@ -108,6 +110,4 @@ def inside_dynamo() -> bool:
         >>> inside_dynamo()
         False
     """
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback
-
-    return get_eval_frame_callback() not in (None, False)
+    return _eval_frame_callback() not in (None, False)

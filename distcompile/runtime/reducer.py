@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from .. import _events
 from .. import _torch_compat as compat
-from ..errors import DistCompileError
+from ..errors import DistCompileError, UnsupportedModelError
 from ..planning.plan import Plan
 from ..planning.split import SplitPlan
 from .comm_errors import NO_PEERS, Peers, comm_error
@@ -218,6 +218,13 @@ class BucketReducer:
 
     def _located(self, step: OpenStep) -> dict:
         if step.order is None:  # the step's first gradient: its buckets
+            if compat.inside_dynamo():  # TorchDynamo would trace the launches below, and fail
+                raise UnsupportedModelError(
+                    "backward() of a distcompile model ran inside a torch.compile'd function: TorchDynamo "
+                    "would trace distcompile's gradient synchronization (its hooks run in that backward), "
+                    "which it cannot compile. Call backward() outside torch.compile; compile the loss or the "
+                    "optimizer step on their own (torch.compile(loss_fn), torch.compile(opt.step))."
+                )
             step.order, self._locate = self.layout.schedule(tuple(step.graphs), self._form())
             self.hooks.new_step()
             step.started = time.perf_counter()

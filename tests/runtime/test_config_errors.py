@@ -147,10 +147,11 @@ def test_already_compiled(single_rank_group) -> None:
         distcompile.wrap(wrapped)
 
 
-@pytest.mark.parametrize("around", ["step", "module"])
+@pytest.mark.parametrize("around", ["step", "module", "backward"])
 def test_a_compile_around_the_wrapped_model_is_a_clear_error(single_rank_group, around: str) -> None:
-    # A compiled step (forward and backward) traced distcompile's gradient hooks, and failed as a
-    # CommunicationError naming the peers; torch.compile(wrapped) ran into the same.
+    # A compiled step (forward and backward), or a compiled backward() alone, traced distcompile's
+    # gradient hooks and failed as a CommunicationError naming the peers; torch.compile(wrapped)
+    # as a TorchDynamo assertion.
     ours = distcompile.wrap(DDP(nn.Linear(2, 2)), backend="eager")
 
     def step(x: torch.Tensor) -> torch.Tensor:
@@ -158,7 +159,12 @@ def test_a_compile_around_the_wrapped_model_is_a_clear_error(single_rank_group, 
         loss.backward()
         return loss
 
-    run = torch.compile(step) if around == "step" else (lambda x: torch.compile(ours)(x).sum().backward())
+    runs = {
+        "step": torch.compile(step),
+        "module": lambda x: torch.compile(ours)(x).sum().backward(),
+        "backward": lambda x: torch.compile(lambda loss: loss.backward())(ours(x).sum()),
+    }
+    run = runs[around]
     with pytest.raises(
         UnsupportedModelError, match="inside a torch.compile'd function.*torch.compile\\(loss_fn\\)"
     ):
