@@ -342,10 +342,11 @@ class _Rebinding(nn.Module):
         return out - self.running
 
 
-def rebound_buffer(rank: int, world: int, broadcast: bool) -> dict:
+def rebound_buffer(rank: int, world: int, broadcast: bool, verify: bool | str = "forward") -> dict:
     """A buffer the forward rebinds every step, over more steps than TorchDynamo's recompile
     limit, and an evaluation after each step: trains and evaluates as eager DDP
-    (``broadcast_buffers`` either way), and nothing is adopted."""
+    (``broadcast_buffers`` either way), and nothing is adopted; ``verify=True`` compares the
+    buffer the eager forward rebound (it compared the copy the forward left behind)."""
     import logging
 
     said: list[str] = []
@@ -356,7 +357,7 @@ def rebound_buffer(rank: int, world: int, broadcast: bool) -> dict:
     base = _Rebinding()
     kwargs = {} if broadcast else {"broadcast_buffers": False}
     ref, ours = DDP(copy.deepcopy(base), **kwargs), DDP(copy.deepcopy(base), **kwargs)
-    ours = distcompile.wrap(ours, backend="aot_eager")
+    ours = distcompile.wrap(ours, backend="aot_eager", verify=verify)
     opts, losses, evals = _sgd(ref, ours), [], []
     for step in range(10):
         losses += _train((ref, ours), opts, rank, range(step, step + 1))

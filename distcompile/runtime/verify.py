@@ -22,7 +22,8 @@ Algorithm
       the ranks as eager DDP would (with the gradients accumulated before the step, under
       ``no_sync`` not averaged), and compared with each ``param.grad``; the parameters must
       equal the copy's bit for bit (backward wrote none), the buffers and outputs must match
-      the copy's after its forward; checksums of parameters and gradients must be equal on
+      the copy's after its forward (the buffers as that forward left them: rebound ones
+      included); checksums of parameters and gradients must be equal on
       every rank. Every rank takes part in the same collectives whatever it finds, and the
       verdict is shared, so all ranks raise together.
     * Gradients match when ``max|compiled - eager| <= tolerance * scale``, ``scale`` being
@@ -163,9 +164,18 @@ class StepCheck:
         }
         buffers = {n: b.detach().clone() for n, b in self.module.named_buffers()}
         tensors = {**params, **buffers}
-        ref_out = torch.func.functional_call(
-            self.module, tensors, args, kwargs, tie_weights=True, strict=False
+        # The buffers as the eager forward left them, read before functional_call puts the
+        # module's own back: a forward that rebinds a buffer (``self.mean = ...``) leaves its
+        # copy as it was.
+        handle = self.module.register_forward_hook(
+            lambda module, _args, _out: buffers.update((n, b.detach()) for n, b in module.named_buffers())
         )
+        try:
+            ref_out = torch.func.functional_call(
+                self.module, tensors, args, kwargs, tie_weights=True, strict=False
+            )
+        finally:
+            handle.remove()
         set_rng_state(rng)  # the compiled forward draws the same random numbers
         low = self.compressed or _autocast_on() or any(p.dtype in _HALF for p in self.params.values())
         before = {n: p.grad.detach().clone() for n, p in self.params.items() if p.grad is not None}

@@ -125,9 +125,9 @@ def test_a_backward_after_the_step_trains_as_eager_ddp_and_is_said_once(how: str
         assert len(said) == 1 and "no_sync()" in said[0] and ".weight" in said[0], said
 
 
-@pytest.mark.parametrize("broadcast", [True, False])
-def test_a_buffer_the_forward_rebinds_each_step_is_taken_as_it_is(broadcast: bool) -> None:
-    results = run_ranks(around_workers.rebound_buffer, 2, broadcast)
+@pytest.mark.parametrize(("broadcast", "verify"), [(True, "forward"), (False, "forward"), (True, True)])
+def test_a_buffer_the_forward_rebinds_each_step_is_taken_as_it_is(broadcast: bool, verify: object) -> None:
+    results = run_ranks(around_workers.rebound_buffer, 2, broadcast, verify)
     _check(results)
     for res in results:
         np.testing.assert_allclose(*res["running"], rtol=1e-4, atol=1e-5)
