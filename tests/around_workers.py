@@ -300,9 +300,10 @@ def _second_backward(how: str, model: nn.Module, x: torch.Tensor, y: torch.Tenso
         loss_fn(NAME, model(x[2:]), y[2:]).backward()
 
 
-def backward_after_step(rank: int, world: int, how: str) -> dict:
+def backward_after_step(rank: int, world: int, how: str, verify: bool | str = "forward") -> dict:
     """A backward after the step's gradients were averaged (``how``) trains as eager DDP does,
-    gradients left local, and distcompile says so once; ``no_sync`` accumulation says nothing."""
+    gradients left local, and distcompile says so once; ``no_sync`` accumulation says nothing.
+    ``verify=True`` does not compare the late gradients with averaged ones (it raised)."""
     import logging
 
     said: list[str] = []
@@ -311,7 +312,8 @@ def backward_after_step(rank: int, world: int, how: str) -> dict:
     logging.getLogger("distcompile").addHandler(handler)
     torch.manual_seed(0)
     base = mlp_seq()
-    ref, ours = DDP(copy.deepcopy(base)), distcompile.wrap(DDP(copy.deepcopy(base)), backend="aot_eager")
+    ref = DDP(copy.deepcopy(base))
+    ours = distcompile.wrap(DDP(copy.deepcopy(base)), backend="aot_eager", verify=verify)
     opts = _sgd(ref, ours)
     for step in range(3):
         x, y = batch(NAME, rank, step)

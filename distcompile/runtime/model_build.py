@@ -235,6 +235,7 @@ class ModelBuild:
             compressed=settings.compression is not None,
             stepped=self._reducer.optimizers.stepped_ids,
             hooked=lambda: self._reducer.hooks.name,
+            steps=lambda: self._reducer.steps,
         )
 
     # -- copies: Note [Copies of a wrapped model] ----------------------------------------

@@ -38,7 +38,8 @@ Note [A backward after the step]
     apart from ``no_sync()`` accumulation by the forward: a gradient that arrives after a
     step ended and before any other forward under gradients ran. A penalty backpropagated
     apart from the loss gets the message too, though its gradient, the same on every rank,
-    keeps them in sync: no communication can tell the two apart.
+    keeps them in sync: no communication can tell the two apart. ``verify=True`` leaves
+    such gradients out of its comparison with eager DDP (it compares averaged ones).
 
 Debugging
     ``BucketReducer.last_step`` holds the last ``StepStats``; DEBUG logging for ``distcompile`` shows launches.

@@ -78,6 +78,7 @@ class _Armed:
     low_precision: bool
     grads_before: dict[str, torch.Tensor]
     mark: int  # compat.node_order() before the compiled forward
+    step: int  # synchronized steps ended before the forward
     out: list[torch.Tensor | None] = field(default_factory=list)
     sources: GradSources | None = None
     grads_in: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -137,6 +138,7 @@ class StepCheck:
         compressed: bool,
         stepped: Callable[[], set[int]] = set,
         hooked: Callable[[], str] = str,
+        steps: Callable[[], int] = int,
     ) -> None:
         self.module = module
         self.params = dict(params)
@@ -147,6 +149,7 @@ class StepCheck:
         self.compressed = compressed
         self.stepped = stepped  # ids of parameters an optimizer in backward steps: changed on purpose
         self.hooked = hooked  # the name of the communication hook in use, or ""
+        self.steps = steps  # synchronized steps ended so far
         self.pending = True
         self.checked = 0
         self._armed: _Armed | None = None
@@ -179,7 +182,7 @@ class StepCheck:
         set_rng_state(rng)  # the compiled forward draws the same random numbers
         low = self.compressed or _autocast_on() or any(p.dtype in _HALF for p in self.params.values())
         before = {n: p.grad.detach().clone() for n, p in self.params.items() if p.grad is not None}
-        self._armed = _Armed(params, buffers, ref_out, sync, low, before, compat.node_order())
+        self._armed = _Armed(params, buffers, ref_out, sync, low, before, compat.node_order(), self.steps())
 
     def attach(self, out: object) -> object:
         """After the compiled forward: ``out`` with a tap on each output that requires grad.
@@ -225,6 +228,12 @@ class StepCheck:
         sources.remove()
         if self._armed is armed:
             self._armed = None
+        if armed.sync and self.steps() != armed.step:  # Note [A backward after the step]
+            log.info(
+                "verify: the gradients of a checked forward arrived after its step's all-reduce (a second "
+                "backward): left local, as under eager DDP, and not compared"
+            )
+            return
         self.settle()  # the reducer's own end of step: gradients averaged into param.grad
         findings = self._compare(armed)
         flags = torch.zeros(dist.get_world_size(self.group), device=self._device())

@@ -108,9 +108,12 @@ def test_hooks_added_after_the_first_steps_are_honoured(backend: str) -> None:
         np.testing.assert_allclose(res["params"][0], res["ref_params"][0], rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("how", ["retain", "two_forwards", "no_sync"])
-def test_a_backward_after_the_step_trains_as_eager_ddp_and_is_said_once(how: str) -> None:
-    results = run_ranks(around_workers.backward_after_step, 2, how)
+@pytest.mark.parametrize(
+    ("how", "verify"),
+    [("retain", "forward"), ("two_forwards", "forward"), ("two_forwards", True), ("no_sync", True)],
+)
+def test_a_backward_after_the_step_trains_as_eager_ddp_and_is_said_once(how: str, verify: object) -> None:
+    results = run_ranks(around_workers.backward_after_step, 2, how, verify)
     for res in results:
         for ref, ours in zip(res["ref"], res["ours"]):
             np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5)
