@@ -79,6 +79,7 @@ class _Armed:
     grads_before: dict[str, torch.Tensor]
     mark: int  # compat.node_order() before the compiled forward
     step: int  # synchronized steps ended before the forward
+    late: bool = False
     out: list[torch.Tensor | None] = field(default_factory=list)
     sources: GradSources | None = None
     grads_in: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -167,18 +168,10 @@ class StepCheck:
         }
         buffers = {n: b.detach().clone() for n, b in self.module.named_buffers()}
         tensors = {**params, **buffers}
-        # The buffers as the eager forward left them, read before functional_call puts the
-        # module's own back: a forward that rebinds a buffer (``self.mean = ...``) leaves its
-        # copy as it was.
-        handle = self.module.register_forward_hook(
-            lambda module, _args, _out: buffers.update((n, b.detach()) for n, b in module.named_buffers())
-        )
-        try:
-            ref_out = torch.func.functional_call(
-                self.module, tensors, args, kwargs, tie_weights=True, strict=False
-            )
-        finally:
-            handle.remove()
+        # The buffers as the eager forward leaves them (one it rebinds, ``self.mean = ...``,
+        # included), read before functional_call puts the module's own back.
+        with self.module.register_forward_hook(lambda m, *_: buffers.update(m.named_buffers())):
+            ref_out = torch.func.functional_call(self.module, tensors, args, kwargs, strict=False)
         set_rng_state(rng)  # the compiled forward draws the same random numbers
         low = self.compressed or _autocast_on() or any(p.dtype in _HALF for p in self.params.values())
         before = {n: p.grad.detach().clone() for n, p in self.params.items() if p.grad is not None}
@@ -212,6 +205,7 @@ class StepCheck:
             armed.grads_in[index] = grad.detach()
         if not armed.queued:
             armed.queued = True
+            armed.late = armed.sync and self.steps() != armed.step  # its step ended in another backward
             assert armed.sources is not None  # attach() made it before any tap
             armed.sources.reached()
             compat.queue_engine_callback(functools.partial(self._finish, armed))
@@ -228,11 +222,8 @@ class StepCheck:
         sources.remove()
         if self._armed is armed:
             self._armed = None
-        if armed.sync and self.steps() != armed.step:  # Note [A backward after the step]
-            log.info(
-                "verify: the gradients of a checked forward arrived after its step's all-reduce (a second "
-                "backward): left local, as under eager DDP, and not compared"
-            )
+        if armed.late:  # Note [A backward after the step]: left local, as under eager DDP
+            log.info("verify: a checked forward's backward came after its step's all-reduce: not compared")
             return
         self.settle()  # the reducer's own end of step: gradients averaged into param.grad
         findings = self._compare(armed)
