@@ -29,8 +29,9 @@ Algorithm
       with nothing rebuilt or agreed: graphs read buffers as inputs, broadcast (under
       ``broadcast_buffers``) goes on with the new tensor, and without it each rank keeps its
       own, as under DDP. An evaluation forward (no gradients) that broadcasts checks the
-      buffers alone first (``buffers_moved``), so that it sends the tensors the model holds. Until 2026-11-29 it was adopted as below at every step (0.2-0.6 s
-      a step on a small model), until TorchDynamo's recompile limit left the model eager.
+      buffers alone first (``buffers_moved``), so that it sends the tensors the model holds.
+      Until 2026-11-29 such a buffer was adopted as below at every step (0.2-0.6 s a step on
+      a small model), until TorchDynamo's recompile limit left the model eager.
       Anything else, the module adopts (``runtime/module.py``: the ranks agree on it, rank 0's
       values of the new tensors are broadcast, and the reducer and the compiled graphs are
       rebuilt) or, where nothing that is synchronized changed, just notes the new state.

@@ -33,8 +33,8 @@ Note [A backward after the step]
     A step's gradients are averaged when its first ``backward()`` ends. A second backward of
     the same forward (``retain_graph=True`` and a second loss; or two forwards, then two
     backwards) adds gradients after that: eager DDP leaves them local, silently, and so
-    does distcompile (DDP's semantics), but it says so once, naming the parameter; so is the
-    backward of a forward that went around the wrapper (``model.module(x)``). Told
+    does distcompile (DDP's semantics), but it says so once, naming the parameter. The
+    backward of a forward that went around the wrapper (``model.module(x)``) is the same. Told
     apart from ``no_sync()`` accumulation by the forward: a gradient that arrives after a
     step ended and before any other forward under gradients ran. A penalty backpropagated
     apart from the loss gets the message too, though its gradient, the same on every rank,
