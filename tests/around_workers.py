@@ -378,3 +378,48 @@ def rebound_buffer(rank: int, world: int, broadcast: bool, verify: bool | str = 
     }
     ours.close()
     return out
+
+
+def toggled_discriminator(rank: int, world: int) -> dict:
+    """A GAN loop that freezes its discriminator for the generator's step and unfreezes it after
+    (StyleGAN2's ``requires_grad(D, False)``), over more steps than TorchDynamo's recompile
+    limit: trains as eager DDP, and the discriminator is never rebuilt."""
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("distcompile").addHandler(handler)
+    torch.manual_seed(0)
+    g0, d0 = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16)), nn.Sequential(nn.Linear(16, 1))
+    pairs = []
+    for ours in (False, True):
+        g, d = DDP(copy.deepcopy(g0)), DDP(copy.deepcopy(d0))
+        pairs.append(
+            (distcompile.wrap(g, backend="aot_eager"), distcompile.wrap(d, backend="aot_eager"))
+            if ours
+            else (g, d)
+        )
+    opts = [
+        (torch.optim.SGD(g.parameters(), lr=0.05), torch.optim.SGD(d.parameters(), lr=0.05)) for g, d in pairs
+    ]
+    for step in range(10):
+        gen = torch.Generator().manual_seed(10 * step + rank)
+        z, real = torch.randn(4, 8, generator=gen), torch.randn(4, 16, generator=gen)
+        for (g, d), (og, od) in zip(pairs, opts):
+            (d(g(z).detach()) - d(real)).mean().backward()
+            od.step(), od.zero_grad()
+            d.module.requires_grad_(False)
+            (-d(g(z))).mean().backward()
+            og.step(), og.zero_grad()
+            d.module.requires_grad_(True)
+    (g, d), (ref_g, ref_d) = pairs[1], pairs[0]
+    out = {
+        "losses": [],
+        "params": _params(g) + _params(d),
+        "ref_params": _params(ref_g) + _params(ref_d),
+        "steps": d._reducer.steps,
+        "adopted": [m for m in said if "changed since wrap" in m],
+    }
+    g.close(), d.close()
+    return out

@@ -29,7 +29,7 @@ from .collectives import agreed_token, broadcast_coalesced, group_device
 from .comm_errors import Peers
 from .ddp import Settings
 from .forward_check import ForwardCheck
-from .model_watch import ModelWatch, agree_on_change, meta_message, on_meta
+from .model_watch import ModelChange, ModelWatch, agree_on_change, meta_message, on_meta
 from .reducer import BucketReducer
 from .sparse import sparse_params
 from .verify import StepCheck
@@ -167,6 +167,13 @@ class ModelBuild:
             ranks=self._ranks,
             timeout_s=self.config.desync_timeout_s,
         )
+        self._life += 1  # the next agreement's keys
+        if self._toggled(change):
+            log.debug(
+                "trainable parameters toggled in place (%s): reducer and graphs kept", change.describe()
+            )
+            self._retake()
+            return
         with torch.no_grad():  # as DDP's constructor: every rank starts from the first rank's values
             broadcast_coalesced(
                 [tensors[n].detach() for n in change.new_tensors],
@@ -181,9 +188,19 @@ class ModelBuild:
         )
         previous = self._reducer
         self._release()
-        self._life += 1
         self._watch.take()
         self._build(previous)
+
+    def _toggled(self, change: ModelChange) -> bool:
+        """Whether ``change`` only froze every trainable parameter, or made trainable again
+        parameters the reducer holds, the same objects (a GAN's discriminator frozen for the
+        generator's step): nothing to rebuild (Note [Parameters that change after wrap])."""
+        if change.replaced or change.buffers or change.hooks:
+            return False
+        held, now = self._reducer.params, self._watch.trainable_now()
+        if change.removed and not change.added:
+            return not now
+        return not change.removed and all(held.get(n) is p for n, p in now.items() if n in change.added)
 
     def _retake(self) -> None:
         """Note the model as it is now: nothing synchronized changed, buffers may be rebound."""

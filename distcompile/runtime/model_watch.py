@@ -32,6 +32,10 @@ Algorithm
       buffers alone first (``buffers_moved``), so that it sends the tensors the model holds.
       Until 2026-11-29 such a buffer was adopted as below at every step (0.2-0.6 s a step on
       a small model), until TorchDynamo's recompile limit left the model eager.
+      A model frozen whole (every trainable parameter), or parameters made trainable again
+      that the reducer still holds (the same objects), are agreed on but not rebuilt: a GAN
+      that freezes its discriminator for each generator step (StyleGAN2's loop) was rebuilt
+      twice a step until TorchDynamo's recompile limit, and then raised at capture.
       Anything else, the module adopts (``runtime/module.py``: the ranks agree on it, rank 0's
       values of the new tensors are broadcast, and the reducer and the compiled graphs are
       rebuilt) or, where nothing that is synchronized changed, just notes the new state.

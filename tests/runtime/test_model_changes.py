@@ -137,3 +137,10 @@ def test_a_buffer_the_forward_rebinds_each_step_is_taken_as_it_is(broadcast: boo
         for ref, ours in res["evals"]:
             np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5)
         assert res["adopted"] == [] and res["steps"] == 10, (res["adopted"], res["steps"])
+
+
+def test_a_discriminator_frozen_for_each_generator_step_trains_as_eager_ddp_unrebuilt() -> None:
+    results = run_ranks(around_workers.toggled_discriminator, 2)
+    _check(results)
+    for res in results:
+        assert res["adopted"] == [] and res["steps"] == 10, (res["adopted"], res["steps"])
