@@ -285,6 +285,17 @@ def hooks_after_steps(rank: int, world: int, backend: str) -> dict:
     return {"losses": losses, "params": _params(ours), "ref_params": _params(ref), "graphs": len(ours.graphs)}
 
 
+def _messages() -> list[str]:
+    """What distcompile logs in this rank from now on, message by message."""
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("distcompile").addHandler(handler)
+    return said
+
+
 def _second_backward(how: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     if how == "retain":  # a second loss backpropagated through the graph the first kept
         out = model(x)
@@ -304,12 +315,7 @@ def backward_after_step(rank: int, world: int, how: str, verify: bool | str = "f
     """A backward after the step's gradients were averaged (``how``) trains as eager DDP does,
     gradients left local, and distcompile says so once; ``no_sync`` accumulation says nothing.
     ``verify=True`` does not compare the late gradients with averaged ones (it raised)."""
-    import logging
-
-    said: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("distcompile").addHandler(handler)
+    said = _messages()
     torch.manual_seed(0)
     base = mlp_seq()
     ref = DDP(copy.deepcopy(base))
@@ -349,12 +355,7 @@ def rebound_buffer(rank: int, world: int, broadcast: bool, verify: bool | str = 
     limit, and an evaluation after each step: trains and evaluates as eager DDP
     (``broadcast_buffers`` either way), and nothing is adopted; ``verify=True`` compares the
     buffer the eager forward rebound (it compared the copy the forward left behind)."""
-    import logging
-
-    said: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("distcompile").addHandler(handler)
+    said = _messages()
     torch.manual_seed(0)
     base = _Rebinding()
     kwargs = {} if broadcast else {"broadcast_buffers": False}
@@ -384,12 +385,7 @@ def toggled_discriminator(rank: int, world: int) -> dict:
     """A GAN loop that freezes its discriminator for the generator's step and unfreezes it after
     (StyleGAN2's ``requires_grad(D, False)``), over more steps than TorchDynamo's recompile
     limit: trains as eager DDP, and the discriminator is never rebuilt."""
-    import logging
-
-    said: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("distcompile").addHandler(handler)
+    said = _messages()
     torch.manual_seed(0)
     g0, d0 = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16)), nn.Sequential(nn.Linear(16, 1))
     pairs = []

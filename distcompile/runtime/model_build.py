@@ -154,7 +154,8 @@ class ModelBuild:
         if not change or change.only_rebound:
             self._retake()
             return
-        tensors = {**self._watch.trainable_now(), **self._watch.buffers_now()}
+        trainable = self._watch.trainable_now()
+        tensors = {**trainable, **self._watch.buffers_now()}
         missing = on_meta(tensors)
         if missing:
             raise UnsupportedModelError(meta_message(missing))
@@ -168,7 +169,7 @@ class ModelBuild:
             timeout_s=self.config.desync_timeout_s,
         )
         self._life += 1  # the next agreement's keys
-        if self._toggled(change):
+        if self._toggled(change, trainable):
             log.debug(
                 "trainable parameters toggled in place (%s): reducer and graphs kept", change.describe()
             )
@@ -191,13 +192,14 @@ class ModelBuild:
         self._watch.take()
         self._build(previous)
 
-    def _toggled(self, change: ModelChange) -> bool:
+    def _toggled(self, change: ModelChange, now: dict[str, nn.Parameter]) -> bool:
         """Whether ``change`` only froze every trainable parameter, or made trainable again
         parameters the reducer holds, the same objects (a GAN's discriminator frozen for the
-        generator's step): nothing to rebuild (Note [Parameters that change after wrap])."""
+        generator's step): nothing to rebuild (Note [Parameters that change after wrap]).
+        ``now``: the trainable parameters the model holds now."""
         if change.replaced or change.buffers or change.hooks:
             return False
-        held, now = self._reducer.params, self._watch.trainable_now()
+        held = self._reducer.params
         if change.removed and not change.added:
             return not now
         return not change.removed and all(held.get(n) is p for n, p in now.items() if n in change.added)
