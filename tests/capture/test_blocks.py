@@ -24,7 +24,9 @@ def _blocks(model: nn.Module, *inputs: torch.Tensor):
     return captured
 
 
-def test_transformer_layers_are_one_group() -> None:
+def test_transformer_layers_are_one_group_cut_where_no_fusion_is_lost() -> None:
+    # Note [Blocks cut where no fusion is lost]: each range starts at its layer's first linear,
+    # so layer k's range is its work after ln_1, then layer k+1's ln_1 (the last: ln_f).
     captured = _blocks(
         GPT(GPTConfig(n_layer=5, n_embd=32, vocab_size=64, block_size=8)), torch.zeros(2, 8).long()
     )
@@ -34,9 +36,32 @@ def test_transformer_layers_are_one_group() -> None:
     assert len(sizes) == 1 and sizes.pop() > 10
     for (_, stop), (start, _) in zip(group, group[1:]):
         assert stop == start  # back to back, nothing between the layers
-    for k, (start, stop) in enumerate(group):  # each range holds exactly layer k's nodes
-        stacks = {str(list(n.meta["nn_module_stack"].values())[0][0]) for n in captured.body[start:stop]}
-        assert stacks == {f"L['self'].blocks.{k}"}, stacks
+    for k, (start, stop) in enumerate(group):
+        body = captured.body[start:stop]
+        assert body[0].target is torch.nn.functional.linear, body[0]
+        assert body[-1].target is torch.nn.functional.layer_norm, body[-1]
+        owner = [str(list(n.meta["nn_module_stack"].values())[0][0]) for n in body]
+        after = f"L['self'].blocks.{k + 1}" if k + 1 < 5 else "L['self'].ln_f"
+        assert owner[-1] == after and set(owner[:-1]) == {f"L['self'].blocks.{k}"}, owner
+
+
+def test_blocks_not_back_to_back_are_not_rotated() -> None:
+    # Something between the layers: the ranges stay the layers themselves.
+    class Gapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(
+                nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU()) for _ in range(3)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x) * 0.5
+            return x
+
+    captured = _blocks(Gapped(), torch.zeros(2, 8))
+    (group,) = captured.blocks
+    assert all(captured.body[start].target is torch.nn.functional.layer_norm for start, _ in group)
 
 
 def test_groups_by_class_and_container_and_checkpointed_blocks() -> None:
