@@ -18,7 +18,8 @@ Note [Blocks cut where no fusion is lost]
     pieces, which cut elsewhere). Back-to-back blocks are therefore *rotated*: each range is
     moved forward to the block's first operation that Inductor runs as a kernel of its own
     (a matmul, a convolution, attention), so the previous block's last pointwise work and
-    this block's head fuse in one piece. The rotated ranges are still identical (block
+    this block's head fuse in one piece. A head of views alone (a transpose before attention)
+    is left where it is: nothing there would fuse. The rotated ranges are still identical (block
     ``k``'s tail and block ``k+1``'s head); the last block's range is kept only if the
     nodes after it look like a block's head (a final LayerNorm), else its tail joins what
     follows. A rotation that would leave fewer than two ranges is not made.
@@ -73,7 +74,15 @@ _OPAQUE = {
     *(getattr(torch.nn.functional, f"conv_transpose{d}d") for d in (1, 2, 3)),
     *(getattr(torch, f) for f in ("matmul", "mm", "bmm", "addmm", "baddbmm", "einsum")),
     operator.matmul,
+    torch.nn.functional.multi_head_attention_forward,
 }
+#: Operations that only reshape or pick: a block's head made of these alone gains no fusion by
+#: moving, and rotating it would only cost the last block its reuse.
+_VIEWS = {
+    "view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "unsqueeze",
+    "squeeze", "expand", "expand_as", "view_as", "size", "dim", "chunk", "split", "unbind", "t",
+    "narrow", "select", "getitem",
+}  # fmt: skip
 
 
 def _opaque(node: fx.Node) -> bool:
@@ -84,11 +93,21 @@ def _opaque(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in _OPAQUE
 
 
+def _computes(node: fx.Node) -> bool:
+    return (
+        node.op in ("call_function", "call_method")
+        and getattr(node.target, "__name__", node.target) not in _VIEWS
+    )
+
+
 def _rotated(body: Sequence[fx.Node], group: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``group`` moved forward to its blocks' first opaque operation, when they are back to back."""
+    """``group`` moved forward to its blocks' first opaque operation, when they are back to back
+    and their heads compute something (Note [Blocks cut where no fusion is lost])."""
     start, stop = group[0]
     shift = next((i for i in range(stop - start) if _opaque(body[start + i])), 0)
-    if shift == 0 or any(b != c for (_, b), (c, _) in zip(group, group[1:])):
+    if not any(map(_computes, body[start : start + shift])):
+        return group  # nothing before the first opaque operation that could fuse
+    if any(b != c for (_, b), (c, _) in zip(group, group[1:])):
         return group
     head = _signature(body, start, start + shift)
     moved = [(a + shift, b + shift) for a, b in group]

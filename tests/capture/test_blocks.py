@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import nn
 
@@ -62,6 +64,30 @@ def test_blocks_not_back_to_back_are_not_rotated() -> None:
     captured = _blocks(Gapped(), torch.zeros(2, 8))
     (group,) = captured.blocks
     assert all(captured.body[start].target is torch.nn.functional.layer_norm for start, _ in group)
+
+
+def test_a_head_of_views_is_not_rotated() -> None:
+    # A post-LN layer (batch-first attention first): its head is a transpose, nothing that
+    # would fuse with the layer before it, so the ranges stay the layers (all three reused).
+    class PostLN(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.ln = nn.LayerNorm(16)
+            self.ff = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.ln(x + self.attn(x, x, x, need_weights=False)[0])
+            return x + self.ff(x)
+
+    model = nn.Sequential(*(PostLN() for _ in range(3)))
+    captured = _blocks(model, torch.zeros(2, 4, 16))
+    (group,) = captured.blocks
+    assert len(group) == 3
+    assert group[0][0] == 0  # the first layer's range starts at the graph's first node
+    for start, stop in group:
+        assert captured.body[start].target == "transpose", captured.body[start]
+        assert captured.body[stop - 1].target is operator.add, captured.body[stop - 1]
 
 
 def test_groups_by_class_and_container_and_checkpointed_blocks() -> None:
