@@ -14,17 +14,21 @@ import pytest
 def test_host_overhead_mode_writes_each_variants_figures(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "distcompile.tools.cli", "bench", "--host-overhead", "--rounds", "2",
-         "--block", "2", "--warmup", "2", "--variants", "ddp,distcompile_telemetry,distcompile_unsplit", "--out-dir", str(tmp_path)],
+         "--block", "2", "--warmup", "2", "--variants", "ddp,ddpopt,distcompile_telemetry,distcompile_unsplit", "--out-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (path,) = tmp_path.glob("*-host-overhead.json")
     rows = json.loads(path.read_text())["variants"]
-    assert set(rows) == {"ddp", "distcompile_telemetry", "distcompile_unsplit"}
+    assert set(rows) == {"ddp", "ddpopt", "distcompile_telemetry", "distcompile_unsplit"}
     for row in rows.values():
         assert row["median_ms"] > 0 and row["no_sync_median_ms"] > 0 and row["python_calls"] > 0, row
     dc = rows["distcompile_telemetry"]
     assert dc["pieces"] <= dc["buckets"] + 1, dc  # one piece per bucket (issue 55)
     # split_shared=False: no row bucket (the head's part travels in its segment's bucket anyway).
     assert rows["distcompile_unsplit"]["buckets"] == dc["buckets"] - 1, rows
+    # Layers cut at their first matmul (Note [Blocks cut where no fusion is lost]): no more
+    # compiled kernels a step than DDPOptimizer's pieces (160 against 110 when cut at the LayerNorm).
+    assert rows["ddp"]["compiled_kernels"] == 0, rows["ddp"]
+    assert 0 < dc["compiled_kernels"] <= rows["ddpopt"]["compiled_kernels"], rows
     assert "sync ms" in out.stdout and "distcompile_telemetry" in out.stdout, out.stdout

@@ -12,9 +12,10 @@ are built in the same process and stepped in turn, round after round, so load on
 machine falls on all of them alike; each reports the median step time over the rounds,
 the same under ``no_sync()`` (the difference is what gradient synchronization costs the
 host: the reducer, and gloo's call per bucket), and, from more steps each, the Python
-calls (``sys.setprofile``, the median of three steps) and the operations torch's profiler records (aten operators
+calls (``sys.setprofile``, the median of three steps), the operations torch's profiler records (aten operators
 and compiled graphs' calls; the kernels inside a compiled C++ or Triton graph are not
-separate events on CPU), and for distcompile its pieces and buckets.
+separate events on CPU), the calls of those compiled C++ kernels (counted with the Python
+calls), and for distcompile its pieces and buckets.
 """
 
 from __future__ import annotations
@@ -106,20 +107,28 @@ def _step(
     return time.perf_counter() - t0
 
 
-def _python_calls(fn: Callable[[], object]) -> int:
-    calls = 0
+def _calls(fn: Callable[[], object]) -> tuple[int, int]:
+    """Python calls made while ``fn`` runs, and calls of the C++ kernels Inductor compiled (on
+    CPU a compiled graph's fused kernels are functions of libraries in Inductor's cache, which
+    the profiler does not see)."""
+    calls = kernels = 0
+    cache = compat.inductor_cache_dir()
 
     def count(frame: object, event: str, arg: object) -> None:
-        nonlocal calls
+        nonlocal calls, kernels
         if event == "call":
             calls += 1
+        elif event == "c_call" and str(getattr(getattr(arg, "__self__", None), "__file__", "")).startswith(
+            cache
+        ):
+            kernels += 1
 
     sys.setprofile(count)
     try:
         fn()
     finally:
         sys.setprofile(None)
-    return calls
+    return calls, kernels
 
 
 def _profiled_ops(fn: Callable[[], object]) -> int:
@@ -166,6 +175,7 @@ def run_host_overhead(*, rounds: int, block: int, warmup: int, variants: list[st
     for n in variants:
         model, opt, batch = models[n], opts[n], batches[0]
         one = lambda model=model, opt=opt, batch=batch: _step(model, opt, batch)  # noqa: E731
+        counted = [_calls(one) for _ in range(3)]
         row = {
             "description": _DESCRIPTIONS[n],
             "median_ms": 1e3 * statistics.median(times[n]),
@@ -173,7 +183,8 @@ def run_host_overhead(*, rounds: int, block: int, warmup: int, variants: list[st
             "min_ms": 1e3 * min(times[n]),
             **(_paired(times[n], base) if base else {}),
             # The median of three steps: one step may draw telemetry's picture (matplotlib).
-            "python_calls": int(statistics.median(_python_calls(one) for _ in range(3))),
+            "python_calls": int(statistics.median(c for c, _ in counted)),
+            "compiled_kernels": int(statistics.median(k for _, k in counted)),
             "profiled_ops": _profiled_ops(one),
         }
         if isinstance(model, distcompile.DistCompiledModule):
@@ -214,7 +225,7 @@ def print_table(result: dict) -> None:
     base = rows.get("ddpopt", {}).get("median_ms")
     print(
         f"\n{'variant':<22} {'median ms':>9} {'vs DDPOpt':>9} {'paired':>6} {'no_sync ms':>10} {'sync ms':>7} {'pieces':>6} "
-        f"{'buckets':>7} {'Py calls':>9} {'ops':>6}"
+        f"{'buckets':>7} {'Py calls':>9} {'ops':>6} {'kernels':>7}"
     )
     for n, r in rows.items():
         ratio = f"{r['median_ms'] / base:.2f}x" if base else "-"
@@ -222,10 +233,13 @@ def print_table(result: dict) -> None:
         print(
             f"{n:<22} {r['median_ms']:>9.2f} {ratio:>9} {paired:>6} {r['no_sync_median_ms']:>10.2f} "
             f"{r['median_ms'] - r['no_sync_median_ms']:>7.2f} {r.get('pieces', '-'):>6} {r.get('buckets', '-'):>7} "
-            f"{r['python_calls']:>9} {r['profiled_ops']:>6}"
+            f"{r['python_calls']:>9} {r['profiled_ops']:>6} {r.get('compiled_kernels', '-'):>7}"
         )
     print(
         "sync ms: the median step less the median step under no_sync() (what synchronizing gradients costs the host)"
+    )
+    print(
+        "ops: events torch's profiler records; kernels: calls of the C++ kernels Inductor compiled (not in ops)"
     )
     if base:
         print("paired: the median of each step over DDPOptimizer's step with the same round and batch")
