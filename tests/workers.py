@@ -803,9 +803,9 @@ def rows_outgrown(rank: int, world: int) -> str:
 
 
 def telemetry_every_piece(rank: int, world: int, logdir: str) -> dict:
-    """12 identical blocks under Inductor (11 of their pieces compiled once, the same piece under
-    11 names; the last ends with ``ln_f``), with telemetry: what the trace of a warm step says
-    about each piece."""
+    """12 identical blocks under Inductor (cut into 11 identical pieces, compiled once, the same
+    piece under 11 names; the last layer's tail joins the head's piece), with telemetry: what
+    the trace of a warm step says about each piece."""
     from distcompile.models import GPT, GPTConfig
 
     torch.manual_seed(0)

@@ -28,12 +28,13 @@ def _blocks(model: nn.Module, *inputs: torch.Tensor):
 
 def test_transformer_layers_are_one_group_cut_where_no_fusion_is_lost() -> None:
     # Note [Blocks cut where no fusion is lost]: each range starts at its layer's first linear,
-    # so layer k's range is its work after ln_1, then layer k+1's ln_1 (the last: ln_f).
+    # so layer k's range is its work after ln_1, then layer k+1's ln_1; the last layer's tail
+    # joins what follows it (ln_f, the head).
     captured = _blocks(
         GPT(GPTConfig(n_layer=5, n_embd=32, vocab_size=64, block_size=8)), torch.zeros(2, 8).long()
     )
     (group,) = captured.blocks
-    assert len(group) == 5
+    assert len(group) == 4
     sizes = {stop - start for start, stop in group}
     assert len(sizes) == 1 and sizes.pop() > 10
     for (_, stop), (start, _) in zip(group, group[1:]):
@@ -43,8 +44,18 @@ def test_transformer_layers_are_one_group_cut_where_no_fusion_is_lost() -> None:
         assert body[0].target is torch.nn.functional.linear, body[0]
         assert body[-1].target is torch.nn.functional.layer_norm, body[-1]
         owner = [str(list(n.meta["nn_module_stack"].values())[0][0]) for n in body]
-        after = f"L['self'].blocks.{k + 1}" if k + 1 < 5 else "L['self'].ln_f"
-        assert owner[-1] == after and set(owner[:-1]) == {f"L['self'].blocks.{k}"}, owner
+        assert owner[-1] == f"L['self'].blocks.{k + 1}", owner
+        assert set(owner[:-1]) == {f"L['self'].blocks.{k}"}, owner
+
+
+def test_two_layers_are_not_rotated() -> None:
+    # Rotated, two layers would leave one range: nothing to reuse. They stay the layers.
+    captured = _blocks(
+        GPT(GPTConfig(n_layer=2, n_embd=32, vocab_size=64, block_size=8)), torch.zeros(2, 8).long()
+    )
+    (group,) = captured.blocks
+    assert len(group) == 2
+    assert all(captured.body[start].target is torch.nn.functional.layer_norm for start, _ in group)
 
 
 def test_blocks_not_back_to_back_are_not_rotated() -> None:

@@ -191,10 +191,10 @@ def test_every_compiled_piece_is_timed_blocks_reused_from_identical_ones_include
     # A piece reused by identical blocks is one module under several names: instrumenting by
     # named_children() timed it once, and the timeline drew the other blocks as eager code.
     res = run_ranks(workers.telemetry_every_piece, 2, str(tmp_path))[0]
-    assert res["reused"] >= 10, res  # the last block's piece ends with ln_f: compiled apart
+    assert res["reused"] >= 10, res  # 11 ranges of 12 layers (the last one's tail joins the head)
     doc = json.loads((tmp_path / "traces" / "trace_rank0_step2.json").read_text())
     compute = [e["name"] for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "compute"]
     pieces = [n for n in compute if re.fullmatch(r"g\d+\.s\d+ (fwd|bwd)", n)]
     fwd = {n for n in pieces if n.endswith(" fwd")}
     bwd = {n for n in pieces if n.endswith(" bwd")}
-    assert len(fwd) == len(bwd) == res["pieces"] >= 14, (res, sorted(fwd))
+    assert len(fwd) == len(bwd) == res["pieces"] >= 13, (res, sorted(fwd))
