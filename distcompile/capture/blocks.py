@@ -23,8 +23,11 @@ Note [Blocks cut where no fusion is lost]
     ``k``'s tail and block ``k+1``'s head). The last block's tail joins what follows: a
     range of it would end elsewhere than the others (the residual is not handed on after
     the last layer), so it would be one more piece to compile, not a reused one (a GPT of 12
-    layers: about 2 s more for its first step on this CPU). A rotation that would leave
-    fewer than two ranges is not made.
+    layers: about 2 s more for its first step on this CPU). The first block's head joins
+    what comes before it (the embeddings). So blocks are rotated only if other work, not
+    another group's blocks (an encoder's layers, then a decoder's), comes before the first
+    and after the last: else the first head or the last tail would be a piece alone. Nor is
+    a rotation made that would leave fewer than two ranges.
 """
 
 from __future__ import annotations
@@ -102,13 +105,18 @@ def _computes(node: fx.Node) -> bool:
     )
 
 
-def _rotated(body: Sequence[fx.Node], group: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``group`` moved forward to its blocks' first opaque operation, when they are back to back
-    and their heads compute something (Note [Blocks cut where no fusion is lost])."""
+def _rotated(body: Sequence[fx.Node], group: list[tuple[int, int]], edges: set[int]) -> list[tuple[int, int]]:
+    """``group`` moved forward to its blocks' first opaque operation, when they are back to back,
+    their heads compute something, and other work, not another group's blocks, comes before
+    the first and after the last (``edges``: the other groups' blocks' starts and ends), for the
+    first head and the last tail to join (Note [Blocks cut where no fusion is lost])."""
     start, stop = group[0]
     shift = next((i for i in range(stop - start) if _opaque(body[start + i])), 0)
     if not any(map(_computes, body[start : start + shift])):
         return group  # nothing before the first opaque operation that could fuse
+    last = group[-1][1]
+    if start == 0 or start in edges or last == len(body) or last in edges:
+        return group  # the first head or the last tail would be a piece alone
     if any(b != c for (_, b), (c, _) in zip(group, group[1:])):
         return group
     # The last block's tail joins what follows (a final LayerNorm fuses with its residual add).
@@ -146,4 +154,8 @@ def find_blocks(body: Sequence[fx.Node]) -> tuple[tuple[tuple[int, int], ...], .
         if seen[path] != 1 or (path not in composite and stop - start < _MIN_LEAF_NODES):
             continue
         groups.setdefault((key, _signature(body, start, stop)), []).append((start, stop))
-    return tuple(tuple(_rotated(body, g)) for g in groups.values() if len(g) > 1)
+    found = [g for g in groups.values() if len(g) > 1]
+    edges = [{a for a, _ in g} | {b for _, b in g} for g in found]
+    return tuple(
+        tuple(_rotated(body, g, set().union(*edges[:k], *edges[k + 1 :]))) for k, g in enumerate(found)
+    )

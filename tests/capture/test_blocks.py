@@ -77,6 +77,45 @@ def test_blocks_not_back_to_back_are_not_rotated() -> None:
     assert all(captured.body[start].target is torch.nn.functional.layer_norm for start, _ in group)
 
 
+def test_groups_back_to_back_or_at_the_graph_edges_are_not_rotated() -> None:
+    # An encoder's layers, then a decoder's, with nothing around them: rotated, the encoder's
+    # first head and the decoder's first head (after the cut between the groups) would be
+    # pieces of a LayerNorm alone. Both groups stay their layers.
+    class Enc(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln, self.lin = nn.LayerNorm(16), nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.lin(self.ln(x))
+
+    class Dec(Enc):
+        def __init__(self) -> None:
+            super().__init__()
+            self.out = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.out(torch.relu(self.lin(self.ln(x))))
+
+    class EncDec(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.ModuleList(Enc() for _ in range(3))
+            self.dec = nn.ModuleList(Dec() for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in [*self.enc, *self.dec]:
+                x = layer(x)
+            return x
+
+    captured = _blocks(EncDec(), torch.zeros(2, 16))
+    enc, dec = captured.blocks
+    assert enc[0][0] == 0 and enc[-1][1] == dec[0][0] and dec[-1][1] == len(captured.body), captured.blocks
+    assert len(enc) == len(dec) == 3
+    for start, _ in (*enc, *dec):
+        assert captured.body[start].target is torch.nn.functional.layer_norm, captured.body[start]
+
+
 def test_a_head_of_views_is_not_rotated() -> None:
     # A post-LN layer (batch-first attention first): its head is a transpose, nothing that
     # would fuse with the layer before it, so the ranges stay the layers (all three reused).
