@@ -32,4 +32,9 @@ def test_host_overhead_mode_writes_each_variants_figures(tmp_path: Path) -> None
     # and the head fuse a little differently in one piece), not 160 as when cut at the LayerNorm.
     assert rows["ddp"]["compiled_kernels"] == 0, rows["ddp"]
     assert 0 < dc["compiled_kernels"] < 1.1 * rows["ddpopt"]["compiled_kernels"], rows
+    # Time inside Inductor's generated code: none for eager DDP, some for compiled variants,
+    # and the host's own work outside it always.
+    assert rows["ddp"]["in_graphs_ms"] == 0 and rows["ddp"]["outside_graphs_ms"] > 0, rows["ddp"]
+    for name in ("ddpopt", "distcompile_telemetry"):
+        assert 0 < rows[name]["in_graphs_ms"] < rows[name]["median_ms"], rows[name]
     assert "sync ms" in out.stdout and "distcompile_telemetry" in out.stdout, out.stdout

@@ -15,7 +15,8 @@ host: the reducer, and gloo's call per bucket), and, from more steps each, the P
 calls (``sys.setprofile``, the median of three steps), the operations torch's profiler records (aten operators
 and compiled graphs' calls; the kernels inside a compiled C++ or Triton graph are not
 separate events on CPU), the calls of those compiled C++ kernels (counted with the Python
-calls), and for distcompile its pieces and buckets.
+calls), the time a step spends inside the code Inductor generated and outside it (the
+host's own work, where the variants differ), and for distcompile its pieces and buckets.
 """
 
 from __future__ import annotations
@@ -131,6 +132,23 @@ def _calls(fn: Callable[[], object]) -> tuple[int, int]:
     return calls, kernels
 
 
+def _in_graphs(step: Callable[[tuple], float], batches: list[tuple]) -> dict:
+    """Per step (the median over ``batches``): ms inside the graphs Inductor compiled (their
+    generated code: kernels, ``mm``, buffers) and ms outside them (everything else the host
+    does: eager operations, the autograd engine, AOTAutograd's and DDP's or distcompile's runtime)."""
+    inside, outside = [], []
+    with compat.inductor_graph_seconds() as spent:
+        for batch in batches:
+            spent[0] = 0.0
+            total = step(batch)
+            inside.append(spent[0])
+            outside.append(total - spent[0])
+    return {
+        "in_graphs_ms": 1e3 * statistics.median(inside),
+        "outside_graphs_ms": 1e3 * statistics.median(outside),
+    }
+
+
 def _profiled_ops(fn: Callable[[], object]) -> int:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
@@ -176,6 +194,7 @@ def run_host_overhead(*, rounds: int, block: int, warmup: int, variants: list[st
         model, opt, batch = models[n], opts[n], batches[0]
         one = lambda model=model, opt=opt, batch=batch: _step(model, opt, batch)  # noqa: E731
         counted = [_calls(one) for _ in range(3)]
+        split = _in_graphs(lambda x, model=model, opt=opt: _step(model, opt, x), batches * 3)
         row = {
             "description": _DESCRIPTIONS[n],
             "median_ms": 1e3 * statistics.median(times[n]),
@@ -186,6 +205,7 @@ def run_host_overhead(*, rounds: int, block: int, warmup: int, variants: list[st
             "python_calls": int(statistics.median(c for c, _ in counted)),
             "compiled_kernels": int(statistics.median(k for _, k in counted)),
             "profiled_ops": _profiled_ops(one),
+            **split,
         }
         if isinstance(model, distcompile.DistCompiledModule):
             row["pieces"] = sum(len(g.plan.pieces) for g in model.graphs)
@@ -225,7 +245,7 @@ def print_table(result: dict) -> None:
     base = rows.get("ddpopt", {}).get("median_ms")
     print(
         f"\n{'variant':<22} {'median ms':>9} {'vs DDPOpt':>9} {'paired':>6} {'no_sync ms':>10} {'sync ms':>7} {'pieces':>6} "
-        f"{'buckets':>7} {'Py calls':>9} {'ops':>6} {'kernels':>7}"
+        f"{'buckets':>7} {'Py calls':>9} {'ops':>6} {'kernels':>7} {'in graphs':>9} {'outside':>7}"
     )
     for n, r in rows.items():
         ratio = f"{r['median_ms'] / base:.2f}x" if base else "-"
@@ -233,13 +253,18 @@ def print_table(result: dict) -> None:
         print(
             f"{n:<22} {r['median_ms']:>9.2f} {ratio:>9} {paired:>6} {r['no_sync_median_ms']:>10.2f} "
             f"{r['median_ms'] - r['no_sync_median_ms']:>7.2f} {r.get('pieces', '-'):>6} {r.get('buckets', '-'):>7} "
-            f"{r['python_calls']:>9} {r['profiled_ops']:>6} {r.get('compiled_kernels', '-'):>7}"
+            f"{r['python_calls']:>9} {r['profiled_ops']:>6} {r.get('compiled_kernels', '-'):>7} "
+            f"{r['in_graphs_ms']:>9.2f} {r['outside_graphs_ms']:>7.2f}"
         )
     print(
         "sync ms: the median step less the median step under no_sync() (what synchronizing gradients costs the host)"
     )
     print(
         "ops: events torch's profiler records; kernels: calls of the C++ kernels Inductor compiled (not in ops)"
+    )
+    print(
+        "in graphs / outside: ms a step inside the code Inductor generated and outside it (the host's own work:"
+        " eager ops, the autograd engine, AOTAutograd's, DDP's or distcompile's runtime), from other steps"
     )
     if base:
         print("paired: the median of each step over DDPOptimizer's step with the same round and batch")
