@@ -431,6 +431,68 @@ BUILDERS.update(
 )
 
 
+# --- Models that change their own gradients or weights around the graph ---
+
+
+class ParamHooks(_TwoLayer):
+    """Tensor hooks on parameters that change their gradients (a clamp, a per-layer scale):
+    the averaged gradient is the hooked one. ``copy.deepcopy`` drops tensor hooks, so each
+    copy registers its own (``after_copy``)."""
+
+    def mid(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h)
+
+    def after_copy(self) -> None:
+        self.a.weight.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
+        self.b.weight.register_hook(lambda g: g * 3.0)
+
+
+class Parametrized(nn.Module):
+    """``torch.nn.utils.parametrizations`` (weight norm, orthogonal: parameters reached through
+    a parametrization's forward) and the old ``spectral_norm`` (a forward pre-hook whose power
+    iteration updates its buffers in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.utils.parametrizations.weight_norm(nn.Linear(64, 32))
+        self.mid = nn.utils.parametrizations.orthogonal(nn.Linear(32, 32))
+        self.b = nn.utils.spectral_norm(nn.Linear(32, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.mid(torch.tanh(self.a(x)))))
+
+
+class _RoundStraightThrough(torch.autograd.Function):
+    """Rounds to a grid in forward, passes the gradient inside a clip range (quantization-aware
+    training's straight-through estimator): a backward of the user's own."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, steps: float) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(x)  # type: ignore[attr-defined]
+        return torch.round(x * steps) / steps
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad * (x.abs() < 0.08).to(grad.dtype), None
+
+
+class StraightThrough(_TwoLayer):
+    """A user ``autograd.Function`` on a weight and on activations."""
+
+    def mid(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.relu(_RoundStraightThrough.apply(h, 4.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = _RoundStraightThrough.apply(self.a.weight, 64.0)
+        return self.b(self.mid(F.linear(x, w, self.a.bias)))
+
+
+BUILDERS.update(
+    {"param_hooks": ParamHooks, "parametrized": Parametrized, "straight_through": StraightThrough}
+)
+
+
 class DivergesWhenCompiled(nn.Module):
     """Computes something else under compile: the doctor must flag the first stage."""
 

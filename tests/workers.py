@@ -42,8 +42,11 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
         ddp_kwargs["gradient_as_bucket_view"] = True
     if case == "static_graph":
         ddp_kwargs["static_graph"] = True
-    ref = DDP(copy.deepcopy(base), **ddp_kwargs)
-    ours_ddp = DDP(copy.deepcopy(base), **ddp_kwargs)
+    copies = [copy.deepcopy(base), copy.deepcopy(base)]
+    for model in copies:  # what a copy loses (tensor hooks), each copy sets up again
+        getattr(model, "after_copy", lambda: None)()
+    ref = DDP(copies[0], **ddp_kwargs)
+    ours_ddp = DDP(copies[1], **ddp_kwargs)
     wrap_kwargs: dict = {"backend": backend}
     if case == "bf16":
         ref.register_comm_hook(None, _bf16_reference_hook)

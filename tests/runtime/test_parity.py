@@ -234,6 +234,16 @@ def test_blocks_checkpointed_from_outside_keep_their_regions_and_match(model: st
     assert all(r["regions_kept"] for r in results)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.long)])
+@pytest.mark.parametrize("model", ["param_hooks", "parametrized", "straight_through"])
+def test_models_that_change_their_own_gradients_or_weights_match(model: str, backend: str) -> None:
+    """Tensor hooks on parameters, parametrizations and spectral norm's in-place buffers, a
+    user autograd.Function: eager DDP's losses, parameters and buffers, ranks in sync."""
+    results = run_ranks(workers.parity, 2, model, backend, timeout=600)
+    _check(results, TOL[backend])
+    assert all(r["last_step_buckets"] > 0 for r in results)
+
+
 @pytest.mark.parametrize("model", ["break_in_blocks", "graph_then_breaking_blocks"])
 def test_a_graph_break_inside_repeated_blocks_captures_again_without_regions(model: str) -> None:
     results = run_ranks(workers.parity, 2, model, "eager")
