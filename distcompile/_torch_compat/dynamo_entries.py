@@ -27,7 +27,7 @@ __all__ = [
 def inductor_graph_seconds() -> Iterator[list[float]]:
     """Within it, every call of a graph Inductor compiled adds its wall time to the one entry of
     the list it yields: the generated code (kernels, extern calls such as ``mm``, buffers), not
-    AOTAutograd's wrappers around it. Wraps ``CompiledFxGraph.__call__`` meanwhile. Checked: 2.13.
+    AOTAutograd's wrappers around it. Wraps ``CompiledFxGraph.__call__`` meanwhile. Checked: 2.13, 2.15.
 
     Example:
         >>> with inductor_graph_seconds() as spent:
