@@ -160,6 +160,7 @@ def main() -> int:
         "step; GPU busy: kernel time over wall time in 3 profiled steps"
     )
     meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if w.cuda else "cpu"}
+    os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "host-profile.json"), "w") as f:
         json.dump({"meta": meta, "variants": rows}, f, indent=2)
     dist.destroy_process_group()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +39,22 @@ def test_host_overhead_mode_writes_each_variants_figures(tmp_path: Path) -> None
     for name in ("ddpopt", "distcompile_telemetry"):
         assert 0 < rows[name]["in_graphs_ms"] < rows[name]["median_ms"], rows[name]
     assert "sync ms" in out.stdout and "distcompile_telemetry" in out.stdout, out.stdout
+
+
+@pytest.mark.long  # six variants compiled and stepped (~15 s warm, ~60 s cold)
+def test_gpu_host_profile_dry_runs_on_cpu(tmp_path: Path) -> None:
+    """``benchmarks/gpu_host_profile.py``, the first step of a GPU session (``gpu_session.sh``),
+    runs on CPU with a tiny model and writes its JSON into a folder it makes: a GPU session is
+    too rare to find out there that it broke."""
+    root = Path(__file__).resolve().parents[2]
+    out_dir = tmp_path / "not-yet"
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "gpu_host_profile.py"), "--device", "cpu", "--small",
+         "--steps", "4", "--out-dir", str(out_dir)],
+        capture_output=True, text=True, timeout=900, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = json.loads((out_dir / "host-profile.json").read_text())["variants"]
+    assert {"ddp", "compile_ddpopt", "dc_inductor"} <= set(rows), rows.keys()
+    for name, row in rows.items():
+        assert row["host_ms"] > 0 and row["wall_ms"] > 0, (name, row)
