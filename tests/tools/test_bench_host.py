@@ -58,3 +58,19 @@ def test_gpu_host_profile_dry_runs_on_cpu(tmp_path: Path) -> None:
     assert {"ddp", "compile_ddpopt", "dc_inductor"} <= set(rows), rows.keys()
     for name, row in rows.items():
         assert row["host_ms"] > 0 and row["wall_ms"] > 0, (name, row)
+
+
+def test_gpu_session_names_only_variants_the_benchmark_has() -> None:
+    """``benchmarks/gpu_session.sh`` runs unattended on a rare GPU: a variant renamed here would
+    cost that session its benchmark."""
+    from distcompile.tools.bench.variants import VARIANTS
+
+    script = (Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_session.sh").read_text()
+    named = [
+        n
+        for line in script.splitlines()
+        if "--variants" in line
+        for n in line.split("--variants")[1].split()[0].split(",")
+    ]
+    assert named, "gpu_session.sh names no variants"
+    assert set(named) <= set(VARIANTS), sorted(set(named) - set(VARIANTS))
