@@ -63,8 +63,10 @@ _WARNED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDicti
 
 #: Reduce rows rather than the whole table when they are at most this share of its rows.
 ROWS_WHEN_BELOW = 0.75
-#: Smaller tables go in the ordinary buckets: asking which rows were touched costs one
-#: blocking collective, more than their bytes.
+#: Smaller tables go in the ordinary buckets: finding, packing, gathering and adding back the
+#: touched rows is about twenty small operations a step (0.5 ms of host time on the CPU proxy
+#: of ``distcompile bench --host-overhead``, a kernel launch each on a GPU), more than a small
+#: table's bytes cost on the wire.
 ROWS_MIN_BYTES = 256 * 1024
 #: Steps of a row bucket whose counts of touched rows are read on the host (and waited for)
 #: on a device other than the CPU; the CPU reads them at every step, at no cost (Note [Rows
