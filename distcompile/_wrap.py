@@ -15,6 +15,7 @@ from ._agreement import default_store, mark_address
 from ._config import Config
 from ._log import enable_progress
 from .errors import UnsupportedModelError
+from .runtime import shutdown
 from .runtime.ddp import Settings, adopt
 from .runtime.module import DistCompiledModule
 from .runtime.nesting import WRAPPERS
@@ -77,6 +78,7 @@ def wrap(model: nn.Module, config: Config | None = None, **options: object) -> D
             "model itself. Pass the uncompiled DDP model (drop torch.compile / the earlier wrap)."
         )
     inner, settings = adopt(model, cfg)
+    _close_earlier_wrappers(inner)
     compat.checkpoint_as_ddp(DistCompiledModule)  # DCP checkpoints with DDP's keys (docs/ddp-parity.md)
     _warn_if_restarts_share_the_agent_store()
     mark_address(default_store(), settings.store_root, dist.get_rank())  # for errors to name peers by rank
@@ -85,6 +87,29 @@ def wrap(model: nn.Module, config: Config | None = None, **options: object) -> D
     enable_progress(rank=dist.get_rank(), first_rank=dist.get_rank() == settings.ranks[0])
     telemetry = _make_telemetry(cfg, inner, settings)
     return DistCompiledModule(inner, config=cfg, settings=settings, source=model, observer=telemetry)
+
+
+def _close_earlier_wrappers(inner: nn.Module) -> None:
+    """Close each open wrapper that synchronizes any of ``inner``'s parameters (the model wrapped
+    again: a notebook cell run twice, a second fit): a parameter has one wrapper at a time. Two
+    would both keep gradient hooks on it, and the earlier one, seeing the later one's gradients
+    arrive after its own step ended, would warn of a second backward that never happened."""
+    mine = {id(p) for p in inner.parameters()}
+    for earlier in shutdown.open_models():
+        if not isinstance(earlier, DistCompiledModule) or earlier.closed:
+            continue
+        shared = [n for n, p in earlier.module.named_parameters() if id(p) in mine]
+        if not shared:
+            continue
+        log.warning(
+            "distcompile.wrap: this model's parameters (%s%s) are synchronized by an earlier wrapper "
+            "that is still open; it is closed now, since one wrapper at a time synchronizes a "
+            "parameter. Train the new one; call .close() on a wrapper before wrapping its model "
+            "again to skip this message.",
+            ", ".join(shared[:3]),
+            ", ..." if len(shared) > 3 else "",
+        )
+        earlier.close(replaced=True)
 
 
 _warned_store = False

@@ -419,3 +419,46 @@ def toggled_discriminator(rank: int, world: int) -> dict:
     }
     g.close(), d.close()
     return out
+
+
+def wrapped_again(rank: int, world: int) -> dict:
+    """Wrap a DDP model, train 2 steps, wrap the same DDP model again (a notebook cell run twice)
+    and train 2 more; eager DDP beside it. What the first wrapper does then, and what was said."""
+    import logging
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(f"{record.levelname}: {record.getMessage()}")
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("distcompile").addHandler(handler)
+    try:
+        torch.manual_seed(0)
+        base = mlp_seq()
+        ref, ddp = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
+        first = distcompile.wrap(ddp, backend="aot_eager")
+        opts = _sgd(ref, ddp)  # one optimizer over the parameters both wrappers share
+        losses = _train((ref, first), opts, rank, range(2))
+        second = distcompile.wrap(ddp, backend="aot_eager")
+        losses += _train((ref, second), opts, rank, range(2, 4))
+        x, y = batch(NAME, rank, 5)
+        try:
+            loss_fn(NAME, first(x), y)
+            first_trains = "trained"
+        except distcompile.UnsupportedModelError as exc:
+            first_trains = str(exc)
+        hooks = len(next(ddp.module.parameters())._post_accumulate_grad_hooks or {})
+        second.close()
+    finally:
+        logging.getLogger("distcompile").removeHandler(handler)
+    return {
+        "losses": losses,
+        "params": _params(second),
+        "ref_params": _params(ref),
+        "first_closed": first.closed,
+        "first_trains": first_trains,
+        "hooks": hooks,
+        "said": said,
+    }

@@ -87,6 +87,8 @@ class DistCompileStrategy(_TrainerDDP):
             self.model = self.distcompile_model = kept[1]
             log.info("distcompile: this LightningModule's compiled model from the last fit is reused")
         else:
+            if kept is not None:  # other options: the last fit's compiled model gives way
+                kept[1].close()
             self.model = self.distcompile_model = distcompile.wrap(self.model, self.distcompile_config)
             object.__setattr__(module, _KEPT, (key, self.model))  # not a submodule: out of state_dict
         for name in _EAGER:

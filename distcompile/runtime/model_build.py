@@ -285,6 +285,12 @@ class ModelBuild:
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
         if self._closed:
+            if getattr(self, "_replaced", False):
+                raise UnsupportedModelError(
+                    "this distcompile model was closed when its model was wrapped again "
+                    "(distcompile.wrap): one wrapper at a time averages a parameter's gradients. Train "
+                    "with the wrapper the later wrap() returned, or run evaluation under torch.no_grad()."
+                )
             raise UnsupportedModelError(
                 "this distcompile model was closed (model.close()): it no longer compiles nor averages "
                 "gradients, so a training step here would leave the ranks apart. Wrap the model again "

@@ -104,6 +104,7 @@ class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):
         self._outer_checked = False
         self._require_forward_param_sync = True
         self._closed = False
+        self._replaced = False  # closed because its model was wrapped again (distcompile.wrap)
         self._rank = dist.get_rank()
         self._ranks = list(settings.ranks)
         # Note [Parameters that change after wrap]: what the reducer and the graphs are built for.
@@ -347,7 +348,7 @@ class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):
         """
         self._reducer.optimizers.attach(optimizer, per_parameter=per_parameter)
 
-    def close(self) -> None:
+    def close(self, *, replaced: bool = False) -> None:
         """Flush TensorBoard files and traces, remove gradient hooks, release the compiled code.
 
         Repeated blocks get their own classes back (Note [Nested compile regions]), and
@@ -356,7 +357,8 @@ class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):
         under ``torch.no_grad()``); a training forward raises.
 
         Safe to call twice. A model still open at interpreter exit is closed then (an
-        ``atexit`` handler), so a script that never calls it loses no telemetry.
+        ``atexit`` handler), so a script that never calls it loses no telemetry. Wrapping its
+        model again closes it too (``replaced=True``: its error then says so).
 
         Example:
             >>> # model.close()  # at the end of training
@@ -365,7 +367,7 @@ class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):
             _events.emit("close", steps=self._reducer.steps if self._reducer is not None else 0)
         if self._closed:
             return
-        self._closed = True
+        self._closed, self._replaced = True, replaced
         self.detach_from(self._source[0])
         self._release()
         if self._observer is not None:

@@ -38,7 +38,7 @@ from typing import Protocol
 
 from .. import _torch_compat as compat
 
-__all__ = ["EXIT_GRACE_MAX_S", "EXIT_GRACE_S", "communication_threads", "track", "untrack"]
+__all__ = ["EXIT_GRACE_MAX_S", "EXIT_GRACE_S", "communication_threads", "open_models", "track", "untrack"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,16 @@ def track(model: _Closable) -> None:
         atexit.register(_before_finalization)
         _tracked_any = True
     _open.add(model)
+
+
+def open_models() -> list[_Closable]:
+    """The models tracked and not closed yet, in no particular order.
+
+    Example:
+        >>> isinstance(open_models(), list)
+        True
+    """
+    return list(_open)
 
 
 def untrack(model: _Closable) -> bool:

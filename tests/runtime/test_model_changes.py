@@ -91,6 +91,22 @@ def test_wrap_train_close_cycles_hold_no_model_and_no_memory() -> None:
         assert res["rss"][-1] < 1.1 * res["rss"][0], res["rss"]
 
 
+def test_wrapping_a_model_again_closes_the_earlier_wrapper() -> None:
+    """A notebook cell run twice: the earlier wrapper, still open, kept its gradient hooks on the
+    same parameters and warned of a second backward at the later one's every step."""
+    results = run_ranks(around_workers.wrapped_again, 2)
+    for res in results:
+        for ref, ours in res["losses"]:
+            np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5)
+        for a, b in zip(res["params"], res["ref_params"]):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        assert res["first_closed"] and res["hooks"] == 1, res
+        assert "wrapped again" in res["first_trains"], res["first_trains"]
+        warnings = [s for s in res["said"] if s.startswith("WARNING")]
+        assert len(warnings) == 1 and "earlier wrapper that is still open" in warnings[0], res["said"]
+    np.testing.assert_array_equal(results[0]["params"][0], results[1]["params"][0])
+
+
 def test_dcp_checkpoints_move_between_ddp_distcompile_and_torch_compile(tmp_path) -> None:  # noqa: ANN001
     results = run_ranks(around_workers.dcp_round_trip, 2, str(tmp_path))
     _check(results)
