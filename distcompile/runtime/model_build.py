@@ -67,6 +67,9 @@ class ModelBuild:
         DDP model), which draws its own store prefix.
     """
 
+    #: Closed because its model was wrapped again (``distcompile.wrap``); set by ``close``.
+    _replaced = False
+
     def _build(self, previous: BucketReducer | None = None) -> None:
         """The reducer, the backend, the first-step check and the compiled module, for the
         parameters and buffers the model holds now (``previous``: the reducer they replace,
@@ -285,7 +288,7 @@ class ModelBuild:
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
         if self._closed:
-            if getattr(self, "_replaced", False):
+            if self._replaced:
                 raise UnsupportedModelError(
                     "this distcompile model was closed when its model was wrapped again "
                     "(distcompile.wrap): one wrapper at a time averages a parameter's gradients. Train "

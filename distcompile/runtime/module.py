@@ -104,7 +104,6 @@ class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):
         self._outer_checked = False
         self._require_forward_param_sync = True
         self._closed = False
-        self._replaced = False  # closed because its model was wrapped again (distcompile.wrap)
         self._rank = dist.get_rank()
         self._ranks = list(settings.ranks)
         # Note [Parameters that change after wrap]: what the reducer and the graphs are built for.
