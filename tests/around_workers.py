@@ -462,3 +462,33 @@ def wrapped_again(rank: int, world: int) -> dict:
         "hooks": hooks,
         "said": said,
     }
+
+
+def cast_after_wrap(rank: int, world: int) -> dict:
+    """Wrap, step once, cast the model to float64 (``.double()``: each parameter keeps its object,
+    its data is swapped), step again. Each rank's gradients against the average of every rank's
+    own gradients, taken in float64 beside it."""
+    torch.manual_seed(0)
+    base = mlp_seq()
+    ours = distcompile.wrap(DDP(copy.deepcopy(base)), backend="aot_eager")
+    local = copy.deepcopy(base)  # the same weights, no synchronization: the gradients to average
+    worst = []
+    for step in range(2):
+        if step == 1:
+            ours.module.double()
+            local.double()
+        x, y = batch(NAME, rank, step)
+        x, y = x.to(next(local.parameters()).dtype), y.to(next(local.parameters()).dtype)
+        for model in (ours, local):
+            loss_fn(NAME, model(x), y).backward()
+        diffs = []
+        for mine, theirs in zip(ours.module.parameters(), local.parameters()):
+            mean = theirs.grad.clone()
+            dist.all_reduce(mean)
+            mean /= world
+            diffs.append(float((mine.grad - mean).abs().max() / mean.abs().max()))
+        worst.append(max(diffs))
+        for model in (ours.module, local):
+            model.zero_grad()
+    ours.close()
+    return {"worst": worst, "dtype": str(next(ours.module.parameters()).dtype)}

@@ -107,6 +107,17 @@ def test_wrapping_a_model_again_closes_the_earlier_wrapper() -> None:
     np.testing.assert_array_equal(results[0]["params"][0], results[1]["params"][0])
 
 
+def test_a_model_cast_after_wrap_keeps_averaging() -> None:
+    """``model.module.double()`` after wrap swaps each parameter's data, not the parameter: eager
+    DDP's hooks sit on the old gradient accumulators and it stops averaging, silently (measured
+    on torch 2.13: its gradients are then each rank's own). distcompile's hooks are on the
+    parameters: it goes on averaging, in the buckets made at wrap (float32 here, so within
+    float32's rounding of the float64 average)."""
+    for res in run_ranks(around_workers.cast_after_wrap, 2):
+        assert res["dtype"] == "torch.float64", res
+        assert res["worst"][0] < 1e-6 and res["worst"][1] < 1e-6, res
+
+
 def test_dcp_checkpoints_move_between_ddp_distcompile_and_torch_compile(tmp_path) -> None:  # noqa: ANN001
     results = run_ranks(around_workers.dcp_round_trip, 2, str(tmp_path))
     _check(results)
