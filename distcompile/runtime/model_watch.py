@@ -43,7 +43,9 @@ Algorithm
 Notes
     Nothing is compared by value, and nothing is per step beyond ``changed()``.
     ``param.data = t`` and in-place updates keep the parameter object, its hooks and its
-    bucket: nothing to adopt.
+    bucket: nothing to adopt. A cast of the model after ``wrap`` (``.double()``, ``.half()``)
+    is such a swap: averaging goes on, in the buckets made at ``wrap`` (their dtype; eager
+    DDP stops averaging there: docs/ddp-parity.md).
 """
 
 from __future__ import annotations
