@@ -90,26 +90,38 @@ def wrap(model: nn.Module, config: Config | None = None, **options: object) -> D
 
 
 def _close_earlier_wrappers(inner: nn.Module) -> None:
-    """Close each open wrapper that synchronizes any of ``inner``'s parameters (the model wrapped
-    again: a notebook cell run twice, a second fit): a parameter has one wrapper at a time. Two
-    would both keep gradient hooks on it, and the earlier one, seeing the later one's gradients
-    arrive after its own step ended, would warn of a second backward that never happened."""
+    """Close each open wrapper of the same model (wrapped again: a notebook cell run twice, a
+    second fit with other options): a parameter has one wrapper at a time. Two would both keep
+    gradient hooks on it, and the earlier one, seeing the later one's gradients arrive after its
+    own step ended, would warn of a second backward that never happened. A wrapper of another
+    model that shares some parameters with this one (a submodule in both) stays open: said."""
     mine = {id(p) for p in inner.parameters()}
     for earlier in shutdown.open_models():
         if not isinstance(earlier, DistCompiledModule) or earlier.closed:
             continue
+        theirs = [n for n, _ in earlier.module.named_parameters()]
         shared = [n for n, p in earlier.module.named_parameters() if id(p) in mine]
         if not shared:
             continue
-        log.warning(
-            "distcompile.wrap: this model's parameters (%s%s) are synchronized by an earlier wrapper "
-            "that is still open; it is closed now, since one wrapper at a time synchronizes a "
-            "parameter. Train the new one; call .close() on a wrapper before wrapping its model "
-            "again to skip this message.",
-            ", ".join(shared[:3]),
-            ", ..." if len(shared) > 3 else "",
-        )
-        earlier.close(replaced=True)
+        names = ", ".join(shared[:3]) + (", ..." if len(shared) > 3 else "")
+        if earlier.module is inner or len(shared) == len(theirs):
+            log.warning(
+                "distcompile.wrap: this model's parameters (%s) are synchronized by an earlier wrapper "
+                "that is still open; it is closed now, since one wrapper at a time synchronizes a "
+                "parameter. Train the new one; call .close() on a wrapper before wrapping its model "
+                "again to skip this message.",
+                names,
+            )
+            earlier.close(replaced=True)
+        else:
+            log.warning(
+                "distcompile.wrap: %d parameter(s) of this model (%s) are also synchronized by another "
+                "open distcompile model: each averages them at its own steps and sees the other's "
+                "gradients arrive outside them (it may warn of a second backward). Wrap one model that "
+                "holds both, or close the other first.",
+                len(shared),
+                names,
+            )
 
 
 _warned_store = False

@@ -492,3 +492,29 @@ def cast_after_wrap(rank: int, world: int) -> dict:
             model.zero_grad()
     ours.close()
     return {"worst": worst, "dtype": str(next(ours.module.parameters()).dtype)}
+
+
+def shared_submodule_wrapped(rank: int, world: int) -> dict:
+    """Two models that share one submodule, each wrapped: both stay open, and the second wrap
+    says which parameters both synchronize."""
+    import logging
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(f"{record.levelname}: {record.getMessage()}")
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("distcompile").addHandler(handler)
+    try:
+        torch.manual_seed(0)
+        shared = nn.Linear(64, 64)
+        one = distcompile.wrap(DDP(nn.Sequential(shared, nn.ReLU(), nn.Linear(64, 8))), backend="aot_eager")
+        two = distcompile.wrap(DDP(nn.Sequential(shared, nn.Tanh(), nn.Linear(64, 8))), backend="aot_eager")
+        closed = (one.closed, two.closed)
+        one.close()
+        two.close()
+    finally:
+        logging.getLogger("distcompile").removeHandler(handler)
+    return {"closed": closed, "said": said}

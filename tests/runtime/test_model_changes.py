@@ -107,6 +107,14 @@ def test_wrapping_a_model_again_closes_the_earlier_wrapper() -> None:
     np.testing.assert_array_equal(results[0]["params"][0], results[1]["params"][0])
 
 
+def test_two_models_sharing_a_submodule_both_stay_open_and_it_is_said() -> None:
+    for res in run_ranks(around_workers.shared_submodule_wrapped, 2):
+        assert res["closed"] == (False, False), res
+        assert (
+            len(res["said"]) == 1 and "2 parameter(s) of this model (0.weight, 0.bias)" in res["said"][0]
+        ), res
+
+
 def test_a_model_cast_after_wrap_keeps_averaging() -> None:
     """``model.module.double()`` after wrap swaps each parameter's data, not the parameter: eager
     DDP's hooks sit on the old gradient accumulators and it stops averaging, silently (measured
