@@ -4,12 +4,14 @@ copies and pickles, each against eager DDP built for the model as it is after th
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import io
+import logging
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -421,11 +423,9 @@ def toggled_discriminator(rank: int, world: int) -> dict:
     return out
 
 
-def wrapped_again(rank: int, world: int) -> dict:
-    """Wrap a DDP model, train 2 steps, wrap the same DDP model again (a notebook cell run twice)
-    and train 2 more; eager DDP beside it. What the first wrapper does then, and what was said."""
-    import logging
-
+@contextlib.contextmanager
+def _warnings_said() -> Iterator[list[str]]:
+    """The warnings distcompile logs meanwhile, as ``LEVEL: message`` lines."""
     said: list[str] = []
 
     class Keep(logging.Handler):
@@ -435,6 +435,15 @@ def wrapped_again(rank: int, world: int) -> dict:
     handler = Keep(level=logging.WARNING)
     logging.getLogger("distcompile").addHandler(handler)
     try:
+        yield said
+    finally:
+        logging.getLogger("distcompile").removeHandler(handler)
+
+
+def wrapped_again(rank: int, world: int) -> dict:
+    """Wrap a DDP model, train 2 steps, wrap the same DDP model again (a notebook cell run twice)
+    and train 2 more; eager DDP beside it. What the first wrapper does then, and what was said."""
+    with _warnings_said() as said:
         torch.manual_seed(0)
         base = mlp_seq()
         ref, ddp = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
@@ -451,8 +460,6 @@ def wrapped_again(rank: int, world: int) -> dict:
             first_trains = str(exc)
         hooks = len(next(ddp.module.parameters())._post_accumulate_grad_hooks or {})
         second.close()
-    finally:
-        logging.getLogger("distcompile").removeHandler(handler)
     return {
         "losses": losses,
         "params": _params(second),
@@ -497,17 +504,7 @@ def cast_after_wrap(rank: int, world: int) -> dict:
 def shared_submodule_wrapped(rank: int, world: int) -> dict:
     """Two models that share one submodule, each wrapped: both stay open, and the second wrap
     says which parameters both synchronize."""
-    import logging
-
-    said: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            said.append(f"{record.levelname}: {record.getMessage()}")
-
-    handler = Keep(level=logging.WARNING)
-    logging.getLogger("distcompile").addHandler(handler)
-    try:
+    with _warnings_said() as said:
         torch.manual_seed(0)
         shared = nn.Linear(64, 64)
         one = distcompile.wrap(DDP(nn.Sequential(shared, nn.ReLU(), nn.Linear(64, 8))), backend="aot_eager")
@@ -515,6 +512,4 @@ def shared_submodule_wrapped(rank: int, world: int) -> dict:
         closed = (one.closed, two.closed)
         one.close()
         two.close()
-    finally:
-        logging.getLogger("distcompile").removeHandler(handler)
     return {"closed": closed, "said": said}
