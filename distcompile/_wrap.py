@@ -99,12 +99,12 @@ def _close_earlier_wrappers(inner: nn.Module) -> None:
     for earlier in shutdown.open_models():
         if not isinstance(earlier, DistCompiledModule) or earlier.closed:
             continue
-        theirs = [n for n, _ in earlier.module.named_parameters()]
-        shared = [n for n, p in earlier.module.named_parameters() if id(p) in mine]
+        theirs = dict(earlier.module.named_parameters())
+        shared = [n for n, p in theirs.items() if id(p) in mine]
         if not shared:
             continue
         names = ", ".join(shared[:3]) + (", ..." if len(shared) > 3 else "")
-        if earlier.module is inner or len(shared) == len(theirs):
+        if len(shared) == len(theirs):  # the same model (or one this model holds whole)
             log.warning(
                 "distcompile.wrap: this model's parameters (%s) are synchronized by an earlier wrapper "
                 "that is still open; it is closed now, since one wrapper at a time synchronizes a "
