@@ -488,8 +488,28 @@ class StraightThrough(_TwoLayer):
         return self.b(self.mid(F.linear(x, w, self.a.bias)))
 
 
+class ComplexWeights(nn.Module):
+    """Complex parameters (a spectral mixing layer) beside real ones: DDP's buckets hold a
+    complex gradient as its real and imaginary parts, so 16-bit compression rounds both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Parameter(0.1 * torch.randn(33, 16, dtype=torch.complex64))
+        self.bias = nn.Parameter(torch.zeros(16, dtype=torch.complex64))
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = torch.fft.rfft(x, dim=-1) @ self.mix + self.bias  # (batch, 16) complex
+        return self.head(torch.cat([z.real, z.imag], dim=-1))
+
+
 BUILDERS.update(
-    {"param_hooks": ParamHooks, "parametrized": Parametrized, "straight_through": StraightThrough}
+    {
+        "param_hooks": ParamHooks,
+        "parametrized": Parametrized,
+        "straight_through": StraightThrough,
+        "complex_weights": ComplexWeights,
+    }
 )
 
 

@@ -382,11 +382,17 @@ def peer_failure(rank: int, world: int, how: str) -> str | None:
     return "no error"
 
 
-def params_differ(rank: int, world: int) -> str:
-    ddp = DDP(BUILDERS["mlp_seq"]())
+def params_differ(rank: int, world: int, imaginary: bool = False) -> str:
+    """Rank 1 changes a weight after DDP was built (``imaginary``: only the imaginary part of a
+    complex one)."""
+    model = BUILDERS["mlp_seq"]()
+    if imaginary:
+        model[2][0].weight = torch.nn.Parameter(model[2][0].weight.detach().to(torch.complex64))
+        model[2][0].forward = lambda x, m=model[2][0]: (x.to(torch.complex64) @ m.weight.T).real + m.bias
+    ddp = DDP(model)
     if rank == 1:
-        with torch.no_grad():
-            ddp.module[2][0].weight.add_(1.0)  # e.g. a checkpoint loaded on one rank only
+        with torch.no_grad():  # e.g. a checkpoint loaded on one rank only
+            ddp.module[2][0].weight.add_(1j if imaginary else 1.0)
     return _error_text(distcompile.DesyncError, lambda: distcompile.wrap(ddp, backend="eager"))
 
 

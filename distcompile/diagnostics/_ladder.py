@@ -23,7 +23,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .._wrap import wrap
 from ..capture.graph import own_forward_code
 from ..errors import VerificationError
+from ..runtime.bucket import as_real
 from ..runtime.checkpoint import rng_state, set_rng_state
+from ..runtime.compare import max_diff
 
 __all__ = ["Ladder", "Run", "StageResult", "compare"]
 
@@ -84,7 +86,7 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for n in sorted(tensors):
         h.update(n.encode())
-        h.update(tensors[n].detach().float().cpu().contiguous().numpy().tobytes())
+        h.update(as_real(tensors[n].detach()).float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -151,17 +153,13 @@ class Ladder:
 def _close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
     if a.shape != b.shape:
         return False
-    if not a.is_floating_point():
+    if not (a.is_floating_point() or a.is_complex()):
         return torch.equal(a, b)
-    return torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol)
+    return torch.allclose(as_real(a).float(), as_real(b).float(), rtol=rtol, atol=atol)
 
 
 def _worst(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str | None]:
-    diffs = {
-        n: float((ours[n].float() - g.float()).abs().max()) if g.numel() else 0.0
-        for n, g in ref.items()
-        if n in ours and ours[n].shape == g.shape
-    }
+    diffs = {n: max_diff(ours[n], g) for n, g in ref.items() if n in ours and ours[n].shape == g.shape}
     worst = max(diffs, key=diffs.get, default=None)
     return (diffs[worst] if worst else 0.0), worst
 

@@ -17,6 +17,10 @@ Note [Flat buckets]
       the current stream wait for the all-reduce, not the host; on gloo it blocks, as it must.
     * ``gradient_as_bucket_view`` leaves ``param.grad`` as a view of the flat buffer, so
       later steps accumulate straight into the bucket and launching needs no copy.
+    * A bucket of complex parameters holds their real and imaginary parts as real numbers
+      (``torch.view_as_real``), as DDP's buckets do: compression casts both parts, and a
+      communication hook gets a real buffer. Cast to 16 bits as complex numbers, the
+      imaginary parts would be dropped.
 """
 
 from __future__ import annotations
@@ -34,11 +38,35 @@ from ..errors import UnsupportedModelError
 from .graph_memory import is_owned, own
 from .hooks import CommHook
 
-__all__ = ["WIRE_DTYPES", "FlatBucket", "OneParamBucket"]
+__all__ = ["WIRE_DTYPES", "FlatBucket", "OneParamBucket", "as_real"]
 #: The dtype on the wire for each ``compression`` (``None``: the gradients' own).
 WIRE_DTYPES = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 _grad = operator.attrgetter("grad")
+
+
+def as_real(t: torch.Tensor) -> torch.Tensor:
+    """``t``; a complex ``t`` as its real and imaginary parts (a view, with a last dimension of
+    2): what buckets hold, and what comparisons cast to float (a cast drops the imaginary part).
+
+    Example:
+        >>> as_real(torch.tensor([1 + 2j])).tolist()
+        [[1.0, 2.0]]
+    """
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _slot(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``flat`` (real elements of a bucket) shaped as ``as_real(p)``."""
+    return flat.view(*p.shape, 2) if p.is_complex() else flat.view_as(p)
+
+
+def _as_param(src: torch.Tensor, p: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
+    """A slot's values as a tensor of ``p``'s dtype and shape (a view of it unless ``copy`` or
+    another dtype)."""
+    if p.is_complex():
+        return torch.view_as_complex(src.to(p.dtype.to_real(), copy=copy))
+    return src.to(p.dtype, copy=copy)
 
 
 def _produced(ready: list[bool], n_ready: int, params: list[torch.nn.Parameter]) -> tuple[bool, ...]:
@@ -80,13 +108,14 @@ class FlatBucket:
         self.index = index
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
-        dtype, device = self.params[0].dtype, self.params[0].device
-        self.numel = sum(p.numel() for p in self.params)
+        dtype, device = self.params[0].dtype.to_real(), self.params[0].device
+        sizes = [p.numel() * (2 if p.is_complex() else 1) for p in self.params]
+        self.numel = sum(sizes)
         self.offsets = []
         offset = 0
-        for p in self.params:
+        for n in sizes:
             self.offsets.append(offset)
-            offset += p.numel()
+            offset += n
         total = self.numel + len(self.params)
         self.buffer = torch.zeros(total, dtype=dtype, device=device)
         wire = WIRE_DTYPES[compression]
@@ -96,12 +125,13 @@ class FlatBucket:
         self.grad_as_view = grad_as_view
         # Note [Gradients in CUDA-graph memory]: .grad tensors not made here are replaced.
         self.fresh_grads = fresh_grads
-        self.views = [self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
+        # Each parameter's slot, shaped as as_real(param) (Note [Flat buckets]).
+        slots = list(zip(self.offsets, sizes, self.params))
+        self.views = [_slot(self.buffer[o : o + n], p) for o, n, p in slots]
         self.wire_views = (
-            self.views
-            if self.wire is self.buffer
-            else [self.wire[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
+            self.views if self.wire is self.buffer else [_slot(self.wire[o : o + n], p) for o, n, p in slots]
         )
+        self._complex = self.params[0].is_complex()
         self.dense = self.wire[: self.numel]  # the gradients
         self.used = self.wire[self.numel :]  # the used flags, after the gradients
         self._views_and_flags = [*self.wire_views, self.used]
@@ -114,6 +144,11 @@ class FlatBucket:
         self.future: torch.futures.Future | None = None
         self.launched_at = 0.0
         self.tail = False  # in the tail: final only when backward ends (set by build_schedule)
+
+    def _grads(self) -> list[torch.Tensor | None]:
+        """Each parameter's ``.grad`` shaped as its slot (``None`` where it has none)."""
+        grads = list(map(_grad, self.params))
+        return [g if g is None else as_real(g) for g in grads] if self._complex else grads
 
     @property
     def nbytes(self) -> int:
@@ -139,7 +174,7 @@ class FlatBucket:
         """Write ``scale * grad`` of every produced gradient into the wire buffer (zeros elsewhere),
         and ``flags`` after them if given (in the same call where the gradients take one)."""
         dense = self.dense
-        grads = list(map(_grad, self.params))
+        grads = self._grads()
         if all(produced):
             # Gradients are views of the bucket only under gradient_as_bucket_view.
             in_bucket = (
@@ -263,16 +298,16 @@ class FlatBucket:
                     if used_host[i] <= 0:
                         continue
                 else:
-                    src = torch.where(used[i] > 0, src.to(p.grad.dtype), p.grad)
+                    src = as_real(torch.where(used[i] > 0, _as_param(src, p).to(p.grad.dtype), p.grad))
             if self.grad_as_view:
                 if src is not self.views[i]:
                     self.views[i].copy_(src)
                 if p.grad is None or p.grad.data_ptr() != self.views[i].data_ptr():
-                    p.grad = self.views[i]
+                    p.grad = _as_param(self.views[i], p)
             elif p.grad is None or (self.fresh_grads and not is_owned(p.grad)):
-                p.grad = own(src.to(p.dtype, copy=True))
+                p.grad = own(_as_param(src, p, copy=True))
             else:
-                p.grad.copy_(src)
+                as_real(p.grad).copy_(src)
 
     def _write_all_at_once(self, views: list[torch.Tensor]) -> bool:
         """The common step (every gradient produced here, each ``.grad`` a tensor of its own, the
@@ -283,7 +318,7 @@ class FlatBucket:
         ``foreach`` 0.6 us.)"""
         if self.grad_as_view or self.fresh_grads or not all(self.produced) or self.wire is not self.buffer:
             return False
-        compat.copy_all(list(map(_grad, self.params)), views)  # produced: none is None
+        compat.copy_all(self._grads(), views)  # produced: none is None
         return True
 
 

@@ -23,6 +23,7 @@ from .._config import Config
 from ..errors import ConfigError, UnsupportedModelError
 from ..planning.costs import CostModel
 from ..planning.plan import DEFAULT_FIRST_BUCKET_BYTES
+from .bucket import as_real
 from .collectives import agreed_token, broadcast_coalesced, group_device
 from .hooks import CommHook, adopt_hook, builtin_hook, check_exclusive
 from .measure import measure_costs
@@ -291,11 +292,12 @@ def _ddp_hook(ddp: DDP, group: dist.ProcessGroup | None) -> tuple[CommHook | Non
 
 def _param_checksums(module: nn.Module) -> str:
     # Two exact float64 sums per parameter (plain and position-weighted): equal bytes give
-    # equal sums, and a differing value or a swap changes them. No copy to the host.
+    # equal sums, and a differing value or a swap changes them. No copy to the host. A complex
+    # parameter is summed as its real and imaginary parts (``as_real``).
     lines = []
     with torch.no_grad():
         for name, p in module.named_parameters():
-            flat = p.detach().reshape(-1).double()
+            flat = as_real(p.detach()).reshape(-1).double()
             weights = (
                 torch.arange(flat.numel(), device=flat.device, dtype=torch.float64).remainder_(1009).add_(1)
             )

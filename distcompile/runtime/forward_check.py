@@ -73,7 +73,9 @@ from torch import nn
 
 from .. import _torch_compat as compat
 from ..errors import VerificationError
+from .bucket import as_real
 from .checkpoint import rng_state, set_rng_state
+from .compare import max_abs, max_diff
 from .grad_sources import GradSources
 from .verify import GradTap
 
@@ -176,10 +178,9 @@ def _differences(got: list, want: list, tol: float) -> list[str]:
         return [f"the forward returned {len(got)} values, eager {len(want)}"]
     found = []
     for i, (a, b) in enumerate(zip(got, want)):
-        if a is None or b is None or a.shape != b.shape or not b.is_floating_point():
+        if a is None or b is None or a.shape != b.shape or not (b.is_floating_point() or b.is_complex()):
             continue
-        diff = float((a.float() - b.float()).abs().max()) if b.numel() else 0.0
-        scale = max(float(b.float().abs().max()) if b.numel() else 0.0, 1e-6)
+        diff, scale = max_diff(a, b), max(max_abs(b), 1e-6)
         if not diff <= tol * scale:  # NaN fails too
             found.append(
                 f"output {i} differs from eager's by {diff:.3g} (scale {scale:.3g}, tolerance {tol:.0e})"
@@ -209,7 +210,13 @@ def _gradient_differences(
 ) -> dict[str, str]:
     """Parameters whose compiled gradient is not eager's within ``tol`` of its scale (the
     largest eager gradient, at least 1% of the median of those over the model), each with
-    what differs."""
+    what differs. A complex gradient is compared by its real and imaginary parts.
+
+    Example:
+        >>> want = (torch.tensor([1 + 1j]),)
+        >>> _gradient_differences(["w"], want, {"w": torch.tensor([1 - 1j])}, 1e-3)
+        {'w': "gradient of w differs from eager's by 2 (scale 1.41; 0x eager's)"}
+    """
     pairs = [(n, w) for n, w in zip(names, want) if w is None or not w.is_sparse]  # sparse: reduced apart
     maxima = [float(w.abs().max()) for _, w in pairs if w is not None and w.numel()]
     floor = 0.01 * statistics.median([m for m in maxima if m > 0] or [0.0]) or 1e-12
@@ -220,12 +227,10 @@ def _gradient_differences(
             if (w is None) != (g is None) and (w if w is not None else g).abs().max() > 0:
                 found[n] = f"{n}: {'eager' if g is None else 'the compiled step'} alone has a gradient"
             continue
-        diff = float((g.float() - w.float()).abs().max())
-        scale = max(float(w.abs().max()), floor)
+        diff, scale = max_diff(g, w), max(max_abs(w), floor)
         if not diff <= tol * scale:
-            ratio = float(
-                g.float().flatten() @ w.float().flatten() / max(float(w.float().square().sum()), 1e-30)
-            )
+            g, w = as_real(g).float().flatten(), as_real(w).float().flatten()
+            ratio = float(g @ w / max(float(w.square().sum()), 1e-30))
             found[n] = (
                 f"gradient of {n} differs from eager's by {diff:.3g} (scale {scale:.3g}; {ratio:.3g}x eager's)"
             )

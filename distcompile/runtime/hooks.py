@@ -49,8 +49,11 @@ class GradBucketView:
         self._index, self._is_last, self._buffer, self._params = index, is_last, buffer, list(params)
         views, offset = [], 0
         for p in self._params:
-            views.append(buffer[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+            # A complex parameter's gradient is its real and imaginary parts (Note [Flat buckets]).
+            n = p.numel() * (2 if p.is_complex() else 1)
+            flat = buffer[offset : offset + n]
+            views.append(flat.view(*p.shape, 2) if p.is_complex() else flat.view_as(p))
+            offset += n
         self._views = views
 
     def index(self) -> int:

@@ -56,8 +56,10 @@ from torch import nn
 
 from .. import _torch_compat as compat
 from ..errors import VerificationError
+from .bucket import as_real
 from .checkpoint import rng_state, set_rng_state
 from .collectives import all_reduce_coalesced, group_device
+from .compare import max_abs, max_diff
 from .grad_sources import GradSources
 
 __all__ = ["GradTap", "StepCheck"]
@@ -92,17 +94,11 @@ def _autocast_on() -> bool:
     )
 
 
-def _max_abs(t: torch.Tensor) -> float:
-    return float(t.detach().abs().max()) if t.numel() else 0.0
-
-
 def _checksums(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
-    rows = [
-        torch.zeros(2, dtype=torch.float64, device=device)
-        if t is None
-        else torch.stack([t.detach().double().sum(), t.detach().double().square().sum()]).to(device)
-        for t in tensors
-    ]
+    rows = []
+    for t in tensors:
+        v = torch.zeros(1, dtype=torch.float64) if t is None else as_real(t.detach()).double()
+        rows.append(torch.stack([v.sum(), v.square().sum()]).to(device))
     return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64, device=device)
 
 
@@ -259,7 +255,7 @@ class StepCheck:
         stepped = self.stepped()
         findings = [
             f"parameter {n} ({self.where(n)}) was changed during the step's forward or backward "
-            f"(max |change| {_max_abs(p.detach() - ref_params[n].detach()):.3g})"
+            f"(max |change| {max_abs(p.detach() - ref_params[n].detach()):.3g})"
             for n, p in self.params.items()
             if n in ref_params
             and id(p) not in stepped
@@ -284,11 +280,11 @@ class StepCheck:
             b = ours.get(n)
             if b is None or b.shape != ref.shape:
                 continue
-            if not b.is_floating_point():
+            if not (b.is_floating_point() or b.is_complex()):
                 if not torch.equal(b, ref):
                     out.append(f"buffer {n} differs from eager's after the forward")
                 continue
-            diff, scale = _max_abs(b.float() - ref.float()), max(_max_abs(ref), 1e-6)
+            diff, scale = max_diff(b, ref), max(max_abs(ref), 1e-6)
             if diff > self._tol(armed) * scale:
                 out.append(
                     f"buffer {n} differs from eager's after the forward by {diff:.3g} (scale {scale:.3g})"
@@ -303,8 +299,8 @@ class StepCheck:
         for i, (a, b) in enumerate(zip(armed.out, ref)):
             if a is None or not isinstance(b, torch.Tensor) or a.shape != b.shape:
                 continue
-            diff, scale = _max_abs(a.float() - b.detach().float()), max(_max_abs(b), 1e-6)
-            if a.is_floating_point() and diff > self._tol(armed) * scale:
+            diff, scale = max_diff(a, b), max(max_abs(b), 1e-6)
+            if (a.is_floating_point() or a.is_complex()) and diff > self._tol(armed) * scale:
                 out.append(
                     f"output {i} of the forward differs from eager's by {diff:.3g} (scale {scale:.3g})"
                 )
@@ -365,7 +361,7 @@ class StepCheck:
     ) -> list[str]:
         """Parameters whose gradient is eager DDP's neither from the forward alone nor with the
         uses outside it added (Note [Gradients by their source])."""
-        maxima = [_max_abs(g) for g in expected.values() if g is not None]
+        maxima = [max_abs(g) for g in expected.values() if g is not None]
         floor = 0.01 * statistics.median([m for m in maxima if m > 0] or [0.0]) or math.ulp(1.0)
         tol = self._tol(armed)
         out = []
@@ -387,8 +383,8 @@ class StepCheck:
             )
         if want is None or got is None:
             return None
-        diff = _max_abs(got.float() - want.float())
-        scale = max(_max_abs(want), floor)
+        diff = max_diff(got, want)
+        scale = max(max_abs(want), floor)
         if diff <= tol * scale:
             return None
         return (

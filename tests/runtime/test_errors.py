@@ -82,8 +82,9 @@ def test_stalled_peer_is_called_a_stall_not_a_death() -> None:
     assert float(msg.split("s ", 1)[0]) < 8, msg  # the group's 3 s timeout, not the stall's end
 
 
-def test_parameters_differing_across_ranks_are_detected() -> None:
-    for msg in run_ranks(workers.params_differ, 2):
+@pytest.mark.parametrize("imaginary", [False, True], ids=["real", "complex-imaginary-part"])
+def test_parameters_differing_across_ranks_are_detected(imaginary: bool) -> None:
+    for msg in run_ranks(workers.params_differ, 2, imaginary):
         assert "parameter values at wrap time differs" in msg and "2.0.weight" in msg, msg
         assert "check_params=False" in msg
 
