@@ -93,6 +93,8 @@ def batch(name: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return idx, torch.roll(idx, -1, dims=1)
     if name in ("convbn", "qat_eager", "qat_fx"):
         return torch.randn(4, 3, 8, 8, generator=g), torch.randn(4, 8, generator=g)
+    if name == "autocast_inside":  # three classes
+        return torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
     if name == "mask_moe_unrolled":  # token types 0 to r + 1 on rank r
         x = torch.randn(8, 64, generator=g)
         x[:, 0] = torch.randint(0, min(rank + 2, 4), (8,), generator=g)
@@ -119,6 +121,8 @@ def step_each(models: tuple, opts: list, loss_of: object) -> list[float]:
 def loss_fn(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if name == "gpt":
         return GPT.loss(out, target)
+    if name == "autocast_inside":
+        return F.cross_entropy(out, target)
     return F.mse_loss(out, target)
 
 
@@ -503,8 +507,38 @@ class ComplexWeights(nn.Module):
         return self.head(torch.cat([z.real, z.imag], dim=-1))
 
 
+class AutocastInside(nn.Module):
+    """A bfloat16 autocast region inside forward, with float32 inputs and outputs: compiled and
+    eager round it differently (the first-step check takes 16-bit rounding's tolerance)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.low, self.high = _LNBlock(8, 32), _LNBlock(8, 32)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.low(x)
+        return self.head(self.high(h.float()))
+
+
+class CondBranch(nn.Module):
+    """``torch.cond`` in forward: a higher-order operator, compiled even when run eagerly (where
+    a dispatch mode around it breaks it, and then later eager calls too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.cond(x.mean() > 0, lambda t: torch.tanh(self.a(t)), lambda t: torch.relu(self.b(t)), (x,))
+        return self.head(h)
+
+
 BUILDERS.update(
     {
+        "autocast_inside": AutocastInside,
+        "cond_branch": CondBranch,
         "param_hooks": ParamHooks,
         "parametrized": Parametrized,
         "straight_through": StraightThrough,
@@ -831,9 +865,9 @@ class CounterBuffer(nn.Module):
 
 
 class _LNBlock(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = 64, hidden: int = 128) -> None:
         super().__init__()
-        self.ln, self.a, self.b = nn.LayerNorm(64), nn.Linear(64, 128), nn.Linear(128, 64)
+        self.ln, self.a, self.b = nn.LayerNorm(width), nn.Linear(width, hidden), nn.Linear(hidden, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.b(F.gelu(self.a(self.ln(x))))

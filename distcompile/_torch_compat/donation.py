@@ -1,6 +1,6 @@
 """Facts about a step's autograd work that torch keeps private: whether a compiled piece's
 backward reuses its saved buffers (AOTAutograd's donated buffers), whether the running
-backward retains its graph, whether a forward drew random numbers.
+backward retains its graph.
 
 AOTAutograd lets a compiled backward write its results into the memory of saved
 activations it no longer needs (``bw_donated_idxs``), which is only right if the graph is
@@ -24,7 +24,6 @@ __all__ = [
     "backward_keeps_graph",
     "donating_backwards_upstream",
     "piece_donation",
-    "random_ops_seen",
 ]
 
 
@@ -136,43 +135,3 @@ def donating_backwards_upstream() -> int | None:
             found += 1
         stack.extend(f for f, _ in getattr(fn, "next_functions", ()))
     return found
-
-
-class _RandomOps:
-    """Whether an operation that draws random numbers ran (``drew``), as a dispatch mode sees it."""
-
-    def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        seen = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-                if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
-                    seen.drew = True
-                return func(*args, **(kwargs or {}))
-
-        self.drew = False
-        self.mode = Mode()
-
-    def __enter__(self) -> _RandomOps:
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.mode.__exit__(*exc)
-
-
-def random_ops_seen() -> _RandomOps:
-    """A context whose value's ``drew`` says whether random numbers were drawn inside it (by an
-    ATen operation tagged ``nondeterministic_seeded``: dropout, ``bernoulli_``, ``rand``).
-
-    Checked: 2.13 (``torch.utils._python_dispatch.TorchDispatchMode``).
-
-    Example:
-        >>> with random_ops_seen() as seen:
-        ...     _ = torch.nn.functional.dropout(torch.ones(4), 0.5)
-        >>> seen.drew
-        True
-    """
-    return _RandomOps()

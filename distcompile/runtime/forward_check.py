@@ -22,13 +22,15 @@ Algorithm
        capture is wrong (a region reused for a block it does not fit, a trace that does
        not do what the code does);
     3. compiled: the step's real forward, whose outputs are returned. It is compared with
-       the reference unless the forward drew random numbers (seen during 1, by a dispatch
-       mode) and the backend is Inductor, whose random numbers are its own; a difference
+       the reference unless the forward drew random numbers (during 1, the random number
+       generators moved: ``ops_seen.py``) and the backend is Inductor, whose random numbers
+       are its own; a difference
        means the compiler is wrong for these inputs.
 
     Outputs are compared as ``verify`` compares them: ``max|x - ref| <= tol * max|ref|``,
-    ``tol`` 1e-4 for the captured forward and 1e-3 for the compiled one (both 2e-2 when the
-    forward runs in 16-bit: half-precision parameters or autocast), or ``verify_tolerance``.
+    ``tol`` 1e-4 for the captured forward and 1e-3 for the compiled one (both 2e-2 when any
+    of the forward runs in 16 bits: half-precision parameters, autocast around the model or
+    inside its forward, as ``OpsSeen`` sees during 1), or ``verify_tolerance``.
     A difference raises :class:`~distcompile.VerificationError` on the rank that saw it,
     naming the graphs of the call, the regions in use and the fixes; its peers, waiting in
     the step's all-reduce, name it in their error (``_agreement.mark_failed``).
@@ -77,6 +79,7 @@ from .bucket import as_real
 from .checkpoint import rng_state, set_rng_state
 from .compare import max_abs, max_diff
 from .grad_sources import GradSources
+from .ops_seen import OpsSeen
 from .verify import GradTap
 
 __all__ = ["ForwardCheck"]
@@ -280,7 +283,7 @@ class ForwardCheck:
             )
             self.pending = False
             return compiled()
-        with compat.random_ops_seen() as random_ops, state.copies():
+        with OpsSeen() as ops, state.copies():
             # A forward that raises eagerly raises here, its effects kept as one call's: the
             # check stays pending (a user's error on a first batch is the user's to see).
             reference = eager()
@@ -295,12 +298,12 @@ class ForwardCheck:
         out = compiled()
         self.pending = False
         self.checked += 1
-        low = any(t is not None and t.dtype in _HALF for t in want) or any(
-            p.dtype in _HALF for p in self.module.parameters()
-        )
+        # 16 bits anywhere (an autocast region inside, half parameters or outputs): their rounding.
+        low = ops.sixteen_bit or any(t is not None and t.dtype in _HALF for t in want)
+        low = low or any(p.dtype in _HALF for p in self.module.parameters())
         tol = self.tolerance or (2e-2 if low else None)
         findings = [f"as captured (uncompiled): {d}" for d in _differences(captured, want, tol or 1e-4)]
-        compared = not (random_ops.drew and self.backend == "inductor")
+        compared = not (ops.drew and self.backend == "inductor")
         if compared:
             findings += [f"compiled: {d}" for d in _differences(_leaves(out), want, tol or 1e-3)]
         if findings:

@@ -61,6 +61,7 @@ from .checkpoint import rng_state, set_rng_state
 from .collectives import all_reduce_coalesced, group_device
 from .compare import max_abs, max_diff
 from .grad_sources import GradSources
+from .ops_seen import OpsSeen
 
 __all__ = ["GradTap", "StepCheck"]
 
@@ -86,12 +87,6 @@ class _Armed:
     sources: GradSources | None = None
     grads_in: dict[int, torch.Tensor] = field(default_factory=dict)
     queued: bool = False
-
-
-def _autocast_on() -> bool:
-    return any(
-        torch.is_autocast_enabled(d) for d in ("cpu", "cuda") if d != "cuda" or torch.cuda.is_available()
-    )
 
 
 def _checksums(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
@@ -166,10 +161,12 @@ class StepCheck:
         tensors = {**params, **buffers}
         # The buffers as the eager forward leaves them (one it rebinds, ``self.mean = ...``,
         # included), read before functional_call puts the module's own back.
-        with self.module.register_forward_hook(lambda m, *_: buffers.update(m.named_buffers())):
+        hook = self.module.register_forward_hook(lambda m, *_: buffers.update(m.named_buffers()))
+        with hook, OpsSeen() as ops:
             ref_out = torch.func.functional_call(self.module, tensors, args, kwargs, strict=False)
         set_rng_state(rng)  # the compiled forward draws the same random numbers
-        low = self.compressed or _autocast_on() or any(p.dtype in _HALF for p in self.params.values())
+        # 16 bits anywhere (autocast around the model or inside its forward): their rounding.
+        low = self.compressed or ops.sixteen_bit or any(p.dtype in _HALF for p in self.params.values())
         before = {n: p.grad.detach().clone() for n, p in self.params.items() if p.grad is not None}
         self._armed = _Armed(params, buffers, ref_out, sync, low, before, compat.node_order(), self.steps())
 

@@ -1,0 +1,68 @@
+"""What a forward did, seen from around it: whether it drew random numbers, whether it
+computed in 16 bits (the first-step checks: ``forward_check.py``, ``verify.py``).
+
+A function mode and the random number generators' states, not a dispatch mode: a dispatch
+mode on the stack breaks a higher-order operator run eagerly (``torch.cond`` and
+``flex_attention`` compile their body even in eager mode, and TorchDynamo refuses to do so
+under a dispatch mode), and the refusal stays with the process: the same call fails later
+without the mode (torch 2.13).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["OpsSeen"]
+
+_SIXTEEN = (torch.float16, torch.bfloat16)
+
+
+def _generators() -> list[torch.Tensor]:
+    """The default random number generators' states: the CPU's, the current CUDA device's once
+    CUDA is initialized (no device synchronization)."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return states
+
+
+class OpsSeen(TorchFunctionMode):
+    """A context that sees what the code inside it did. ``sixteen_bit``: a torch function or
+    tensor method gave a float16 or bfloat16 tensor (an autocast region inside a float32
+    forward, half parameters; inside a higher-order operator's body, only its outputs are
+    seen). ``drew`` (known at exit): the default random number generators
+    moved (dropout, ``rand``; a draw from a ``torch.Generator`` of the user's is not seen).
+
+    Example:
+        >>> with OpsSeen() as seen:
+        ...     _ = torch.nn.functional.dropout(torch.ones(4), 0.5)
+        >>> seen.drew, seen.sixteen_bit
+        (True, False)
+        >>> with OpsSeen() as seen:  # a higher-order operator inside: its outputs are seen
+        ...     y = torch.cond(torch.tensor(True), lambda t: t * 2, lambda t: t - 1, (torch.ones(2),))
+        ...     _ = y.bfloat16()
+        >>> seen.drew, seen.sixteen_bit
+        (False, True)
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drew = False
+        self.sixteen_bit = False
+        self._states: list[torch.Tensor] = []
+
+    def __enter__(self) -> OpsSeen:
+        self._states = _generators()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self.drew = any(not torch.equal(a, b) for a, b in zip(self._states, _generators()))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        if not self.sixteen_bit:
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            self.sixteen_bit = any(isinstance(t, torch.Tensor) and t.dtype in _SIXTEEN for t in outs)
+        return out
