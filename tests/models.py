@@ -614,7 +614,23 @@ class StepCounter(nn.Module):
         return self.lin(x) * (1.0 + 0.01 * self.calls)
 
 
-BUILDERS["step_counter"] = StepCounter
+class TensorCounter(nn.Module):
+    """Counts the samples it saw in a plain tensor attribute (not a buffer), in place: a check
+    that runs the forward three times must count once. (Scaling the output by the count would
+    meet a torch bug: AOTAutograd's backward reads the count after the write, 8% off under
+    plain ``torch.compile`` too; the first-step check reports it.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 8)
+        self.seen = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += x.shape[0]
+        return self.lin(x)
+
+
+BUILDERS.update({"step_counter": StepCounter, "tensor_counter": TensorCounter})
 
 
 class _BreakingBlock(nn.Module):

@@ -100,8 +100,8 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
         "losses": losses,
         "ref_params": [p.detach().clone() for p in ref.module.parameters()],
         "params": [p.detach().clone() for p in ours.module.parameters()],
-        "ref_buffers": [b.clone() for b in ref.module.buffers()],
-        "buffers": [b.clone() for b in ours.module.buffers()],
+        "ref_buffers": _state_tensors(ref.module),
+        "buffers": _state_tensors(ours.module),
         "graphs": len(ours.graphs),
         "regions_kept": ours._unmark is not None,  # blocks still marked (no capture fell back)
         "segments": [len(g.plan.segments) for g in ours.graphs],
@@ -121,6 +121,17 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
     ours.close()  # gives the blocks back their own classes
     result["classes_restored"] = [type(m) for m in ours.module.modules()] == [type(m) for m in base.modules()]
     return result
+
+
+def _state_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The buffers, then tensors kept as plain attributes (a count updated in place)."""
+    plain = [
+        v
+        for m in module.modules()
+        for k, v in vars(m).items()
+        if k[:1] != "_" and isinstance(v, torch.Tensor)
+    ]
+    return [b.clone() for b in [*module.buffers(), *plain]]
 
 
 #: Parity cases of variable sequence length -> wrap's ``dynamic``.

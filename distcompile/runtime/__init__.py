@@ -34,6 +34,7 @@ May import ``compile``, ``capture``, ``planning`` and the leaves. It never impor
 - ``forward_check.py``: the default first-step forward check.
 - ``verify.py``: the full first-step check against eager DDP (``verify=True``).
 - ``compare.py``: how far two tensors are apart, for both checks (complex ones by both parts).
+- ``module_state.py``: a module's buffers, attributes and random state, kept and put back.
 - ``ops_seen.py``: what a forward did (drew random numbers, computed in 16 bits), for both checks.
 - ``grad_sources.py``: what one forward's autograd graph sends each parameter, apart from
   the loop's other uses of it (both checks).

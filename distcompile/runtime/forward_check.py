@@ -64,11 +64,10 @@ Cost
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import logging
 import statistics
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -76,9 +75,9 @@ from torch import nn
 from .. import _torch_compat as compat
 from ..errors import VerificationError
 from .bucket import as_real
-from .checkpoint import rng_state, set_rng_state
 from .compare import max_abs, max_diff
 from .grad_sources import GradSources
+from .module_state import ModuleState
 from .ops_seen import OpsSeen
 from .verify import GradTap
 
@@ -87,89 +86,6 @@ __all__ = ["ForwardCheck"]
 log = logging.getLogger(__name__)
 
 _HALF = (torch.float16, torch.bfloat16)
-_SHALLOW = (list, dict, set)
-
-
-class _State:
-    """The module's buffers, Python attributes and the random number state, to put back.
-
-    Attributes are the public entries of each submodule's ``__dict__`` (a counter, a flag, a
-    ``forward`` that a trainer patched in for one call: Lightning's forward redirection puts
-    the original back when called), lists, dicts and sets copied one level deep."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.rng = rng_state()
-        # Each module's buffer entries, by identity and value: a forward may resize a buffer
-        # (an observer's empty min_val), assign a new one or register one (created lazily).
-        self.buffers = [
-            (
-                m,
-                {
-                    n: (b, None if b is None else b.detach().clone())
-                    for n, b in compat.module_dicts(m)[1].items()
-                },
-            )
-            for m in module.modules()
-        ]
-        self.attrs = [
-            (
-                m,
-                {
-                    k: (copy.copy(v) if isinstance(v, _SHALLOW) else v)
-                    for k, v in vars(m).items()
-                    if k[:1] != "_"
-                },
-            )
-            for m in module.modules()
-        ]
-
-    @contextlib.contextmanager
-    def copies(self) -> Iterator[None]:
-        """Inside, the module's buffers are copies (what a run writes to them, and what its
-        autograd graph saves of them, stays there); after, the same objects as before."""
-        for m, saved in self.buffers:
-            entries = compat.module_dicts(m)[1]
-            for name, (_, value) in saved.items():
-                if value is not None:
-                    entries[name] = value.clone()
-        try:
-            yield
-        finally:  # the buffers the module had; its attributes are the run's until restore()
-            self._entries_back()
-
-    def _entries_back(self) -> None:
-        """Each module's buffer entries as they were: the same objects, none registered since."""
-        for m, saved in self.buffers:
-            entries = compat.module_dicts(m)[1]
-            for name in [n for n in entries if n not in saved]:  # registered by the run
-                compat.drop_buffer(m, name)
-            for name, (b, _) in saved.items():
-                entries[name] = b  # the object it was, if the run assigned another
-
-    def restore(self) -> None:
-        self._entries_back()
-        with torch.no_grad():
-            for _, saved in self.buffers:
-                for b, value in saved.values():
-                    if b is not None:
-                        _put_back(b, value)
-        for m, attrs in self.attrs:
-            for k in [k for k in vars(m) if k[:1] != "_" and k not in attrs]:
-                delattr(m, k)  # set by the run: not there before
-            for k, v in attrs.items():
-                setattr(m, k, copy.copy(v) if isinstance(v, _SHALLOW) else v)
-        set_rng_state(self.rng)
-
-
-def _put_back(b: torch.Tensor, value: torch.Tensor) -> None:
-    """``b``'s values (and size) as ``value``'s, in place where it can be."""
-    if b.shape == value.shape and b.dtype == value.dtype:
-        b.copy_(value)
-        return
-    try:
-        b.resize_(value.shape).copy_(value)  # resized by the run (resize_ keeps the object)
-    except RuntimeError:  # a tensor that cannot be resized in place: take the saved one's data
-        b.data = value.clone()
 
 
 def _leaves(out: object) -> list[torch.Tensor | None]:
@@ -274,7 +190,7 @@ class ForwardCheck:
         """A checked step: ``eager`` (the module on the step's inputs), ``compiled`` as captured,
         then ``compiled`` for real, whose output is returned."""
         try:
-            state = _State(self.module)
+            state = ModuleState(self.module)
         except Exception as exc:  # noqa: BLE001 - a state that cannot be copied: no check, no harm
             log.info(
                 "forward check: skipped, the model's state cannot be copied to run it three times (%s: %s)",

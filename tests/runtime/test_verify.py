@@ -129,6 +129,7 @@ def test_the_checks_compare_only_what_the_forward_gave_each_gradient(
         # torch.cond: eager DDP's torch.cond failed after the check, which had broken it
         ("cond_branch", "aot_eager", "plain"),
         ("cond_branch", "aot_eager", "verify"),
+        ("tensor_counter", "aot_eager", "plain"),  # a count in a plain tensor attribute: counted once
     ],
 )
 def test_the_checks_never_break_a_model_that_trains(model: str, backend: str, case: str) -> None:

@@ -1,0 +1,127 @@
+"""The state a module's forward changes, kept and put back: buffers, plain attributes, the
+random number state (Note [First-step forward check] runs one forward three times).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from .. import _torch_compat as compat
+from .checkpoint import rng_state, set_rng_state
+
+__all__ = ["ModuleState", "put_back"]
+
+_SHALLOW = (list, dict, set)
+
+
+class ModuleState:
+    """The module's buffers, Python attributes and the random number state, to put back.
+
+    Attributes are the public entries of each submodule's ``__dict__`` (a counter, a flag, a
+    ``forward`` that a trainer patched in for one call: Lightning's forward redirection puts
+    the original back when called), lists, dicts and sets copied one level deep; a tensor
+    among them (a count kept as a plain attribute, updated in place) is put back in place,
+    and is a copy during ``copies()`` as buffers are.
+
+    Example:
+        >>> m = nn.BatchNorm1d(2); m.seen = torch.zeros(()); state = ModuleState(m)
+        >>> _ = m(torch.randn(4, 2)); m.seen += 4; state.restore()
+        >>> int(m.num_batches_tracked), float(m.seen)
+        (0, 0.0)
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.rng = rng_state()
+        # Each module's buffer entries, by identity and value: a forward may resize a buffer
+        # (an observer's empty min_val), assign a new one or register one (created lazily).
+        self.buffers = [
+            (
+                m,
+                {
+                    n: (b, None if b is None else b.detach().clone())
+                    for n, b in compat.module_dicts(m)[1].items()
+                },
+            )
+            for m in module.modules()
+        ]
+        self.attrs = [
+            (
+                m,
+                {
+                    k: (copy.copy(v) if isinstance(v, _SHALLOW) else v)
+                    for k, v in vars(m).items()
+                    if k[:1] != "_"
+                },
+            )
+            for m in module.modules()
+        ]
+        # Tensors among the attributes (not trainable ones): their values.
+        self.tensors = [
+            (m, k, v, v.detach().clone())
+            for m, attrs in self.attrs
+            for k, v in attrs.items()
+            if isinstance(v, torch.Tensor) and not v.requires_grad
+        ]
+
+    @contextlib.contextmanager
+    def copies(self) -> Iterator[None]:
+        """Inside, the module's buffers are copies (what a run writes to them, and what its
+        autograd graph saves of them, stays there); after, the same objects as before."""
+        for m, saved in self.buffers:
+            entries = compat.module_dicts(m)[1]
+            for name, (_, value) in saved.items():
+                if value is not None:
+                    entries[name] = value.clone()
+        for m, k, _, value in self.tensors:  # put back as the objects they were by restore()
+            vars(m)[k] = value.clone()
+        try:
+            yield
+        finally:  # the buffers the module had; its attributes are the run's until restore()
+            self._entries_back()
+
+    def _entries_back(self) -> None:
+        """Each module's buffer entries as they were: the same objects, none registered since."""
+        for m, saved in self.buffers:
+            entries = compat.module_dicts(m)[1]
+            for name in [n for n in entries if n not in saved]:  # registered by the run
+                compat.drop_buffer(m, name)
+            for name, (b, _) in saved.items():
+                entries[name] = b  # the object it was, if the run assigned another
+
+    def restore(self) -> None:
+        self._entries_back()
+        with torch.no_grad():
+            for _, saved in self.buffers:
+                for b, value in saved.values():
+                    if b is not None:
+                        put_back(b, value)
+        for m, attrs in self.attrs:
+            for k in [k for k in vars(m) if k[:1] != "_" and k not in attrs]:
+                delattr(m, k)  # set by the run: not there before
+            for k, v in attrs.items():
+                setattr(m, k, copy.copy(v) if isinstance(v, _SHALLOW) else v)
+        with torch.no_grad():
+            for _, _, t, value in self.tensors:
+                put_back(t, value)
+        set_rng_state(self.rng)
+
+
+def put_back(b: torch.Tensor, value: torch.Tensor) -> None:
+    """``b``'s values (and size) as ``value``'s, in place where it can be.
+
+    Example:
+        >>> b = torch.zeros(0); put_back(b, torch.ones(2)); b.tolist()
+        [1.0, 1.0]
+    """
+    if b.shape == value.shape and b.dtype == value.dtype:
+        b.copy_(value)
+        return
+    try:
+        b.resize_(value.shape).copy_(value)  # resized by the run (resize_ keeps the object)
+    except RuntimeError:  # a tensor that cannot be resized in place: take the saved one's data
+        b.data = value.clone()
