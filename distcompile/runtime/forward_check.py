@@ -48,9 +48,9 @@ Algorithm
     neither matches. Not compared: Inductor with random numbers, parameters whose gradient
     travels in parts (Note [Shared weights reduced by use]), sparse gradients.
 
-    Put back between runs: each module's buffer entries by identity and value (a buffer the
-    forward resized, assigned anew or registered included), plain attributes and the random
-    number state. A state that cannot be copied makes the check step aside (one log line).
+    Put back between runs (``module_state.py``): each module's buffer entries by identity and
+    value (a buffer the forward resized, assigned anew or registered included), plain
+    attributes (a tensor among them in place) and the random number state. A state that cannot be copied makes the check step aside (one log line).
 
 Cost
     Two more forwards and one eager backward in the checked steps only (the first step,
