@@ -630,7 +630,19 @@ class TensorCounter(nn.Module):
         return self.lin(x)
 
 
-BUILDERS.update({"step_counter": StepCounter, "tensor_counter": TensorCounter})
+class InplaceInput(_TwoLayer):
+    """Scales its input in place before using it (legal: the caller's tensor changes, once): a
+    check that runs the forward three times gives each run its own copy."""
+
+    def mid(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(0.5)
+        return super().forward(x)
+
+
+BUILDERS.update({"step_counter": StepCounter, "tensor_counter": TensorCounter, "inplace_input": InplaceInput})
 
 
 class _BreakingBlock(nn.Module):

@@ -86,8 +86,9 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
                     x, y = _seq_len(x, y, (16, 9, 12)[step % 3], mark=case == "mark_dynamic")
                 ctx = model.no_sync() if m < micro - 1 else _null()
                 amp = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else _null()
+                xin = x.clone() if model_name == "inplace_input" else x  # each model's own, changed once
                 with ctx, amp:
-                    loss = loss_fn(model_name, model(x), y)
+                    loss = loss_fn(model_name, model(xin), y)
                     loss.backward(retain_graph=case.startswith("retain_graph"))
                 total += loss.item()
             if slot == 0:

@@ -50,7 +50,8 @@ Algorithm
 
     Put back between runs (``module_state.py``): each module's buffer entries by identity and
     value (a buffer the forward resized, assigned anew or registered included), plain
-    attributes (a tensor among them in place) and the random number state. A state that cannot be copied makes the check step aside (one log line).
+    attributes (a tensor among them in place) and the random number state. Runs 1 and 2 get
+    copies of the input tensors (``fresh_inputs``): a forward may update its input in place. A state that cannot be copied makes the check step aside (one log line).
 
 Cost
     Two more forwards and one eager backward in the checked steps only (the first step,
@@ -77,7 +78,7 @@ from ..errors import VerificationError
 from .bucket import as_real
 from .compare import max_abs, max_diff
 from .grad_sources import GradSources
-from .module_state import ModuleState
+from .module_state import ModuleState, fresh_inputs
 from .ops_seen import OpsSeen
 from .verify import GradTap
 
@@ -186,9 +187,12 @@ class ForwardCheck:
         self.pending = True
         self.checked = 0
 
-    def run(self, eager: Callable[[], object], compiled: Callable[[], object]) -> object:
-        """A checked step: ``eager`` (the module on the step's inputs), ``compiled`` as captured,
-        then ``compiled`` for real, whose output is returned."""
+    def run(
+        self, eager: Callable[..., object], compiled: Callable[..., object], args: tuple, kwargs: dict
+    ) -> object:
+        """A checked step: ``eager(args, kwargs)`` (the module on the step's inputs), ``compiled``
+        as captured, then ``compiled`` for real, whose output is returned. The first two run on
+        copies of the input tensors (``fresh_inputs``), the real one on the caller's."""
         try:
             state = ModuleState(self.module)
         except Exception as exc:  # noqa: BLE001 - a state that cannot be copied: no check, no harm
@@ -198,20 +202,20 @@ class ForwardCheck:
                 exc,
             )
             self.pending = False
-            return compiled()
+            return compiled(args, kwargs)
         with OpsSeen() as ops, state.copies():
             # A forward that raises eagerly raises here, its effects kept as one call's: the
             # check stays pending (a user's error on a first batch is the user's to see).
-            reference = eager()
+            reference = eager(*fresh_inputs((args, kwargs)))
         state.restore()
         want = _leaves(reference)
         try:
             with self.as_captured():
-                captured = _leaves(compiled())
+                captured = _leaves(compiled(*fresh_inputs((args, kwargs))))
         finally:
             state.restore()
         mark = compat.node_order()  # the compiled forward's autograd nodes come after it
-        out = compiled()
+        out = compiled(args, kwargs)
         self.pending = False
         self.checked += 1
         # 16 bits anywhere (an autocast region inside, half parameters or outputs): their rounding.

@@ -166,9 +166,7 @@ class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):
         graphs = len(self.graphs)
         try:
             if isinstance(check, ForwardCheck):  # Note [First-step forward check]
-                out = check.run(
-                    lambda: self.module(*args, **kwargs), lambda: self._call_compiled(args, kwargs)
-                )
+                out = check.run(lambda a, k: self.module(*a, **k), self._call_compiled, args, kwargs)
             else:
                 out = self._call_compiled(args, kwargs)
         except Exception as exc:

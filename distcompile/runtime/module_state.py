@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -14,7 +15,9 @@ from torch import nn
 from .. import _torch_compat as compat
 from .checkpoint import rng_state, set_rng_state
 
-__all__ = ["ModuleState", "put_back"]
+__all__ = ["ModuleState", "fresh_inputs", "put_back"]
+
+T = TypeVar("T")
 
 _SHALLOW = (list, dict, set)
 
@@ -125,3 +128,32 @@ def put_back(b: torch.Tensor, value: torch.Tensor) -> None:
         b.resize_(value.shape).copy_(value)  # resized by the run (resize_ keeps the object)
     except RuntimeError:  # a tensor that cannot be resized in place: take the saved one's data
         b.data = value.clone()
+
+
+def fresh_inputs(inputs: T) -> T:
+    """``inputs`` (a forward's args and kwargs) with each tensor a copy of its own, for a run
+    that must leave the caller's tensors alone: a forward may update its input in place
+    (``x.div_(255)``), legally, once. Same values, strides, ``requires_grad`` and Python
+    attributes (``mark_dynamic``'s), outside any autograd graph; one copy per tensor object; a tensor whose strides a copy cannot have (an
+    expanded one, which no forward can update in place) is passed as it is.
+
+    Example:
+        >>> x = torch.ones(2); (a, b), k = fresh_inputs(((x, x), {"y": 3}))
+        >>> a is b, a is x, k
+        (True, False, {'y': 3})
+    """
+    copies: dict[int, torch.Tensor] = {}
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        c = copies.get(id(t))
+        if c is None:
+            c = t.detach().clone()
+            if c.stride() != t.stride():
+                c = t
+            else:
+                c.requires_grad_(t.requires_grad)
+                vars(c).update(vars(t))  # its Python attributes: torch._dynamo.mark_dynamic's marks
+            copies[id(t)] = c
+        return c
+
+    return compat.tree_map_only(torch.Tensor, fresh, inputs)

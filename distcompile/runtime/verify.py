@@ -61,6 +61,7 @@ from .checkpoint import rng_state, set_rng_state
 from .collectives import all_reduce_coalesced, group_device
 from .compare import max_abs, max_diff
 from .grad_sources import GradSources
+from .module_state import fresh_inputs
 from .ops_seen import OpsSeen
 
 __all__ = ["GradTap", "StepCheck"]
@@ -163,7 +164,10 @@ class StepCheck:
         # included), read before functional_call puts the module's own back.
         hook = self.module.register_forward_hook(lambda m, *_: buffers.update(m.named_buffers()))
         with hook, OpsSeen() as ops:
-            ref_out = torch.func.functional_call(self.module, tensors, args, kwargs, strict=False)
+            # On copies of the inputs: a forward may update its input in place, once.
+            ref_out = torch.func.functional_call(
+                self.module, tensors, *fresh_inputs((args, kwargs)), strict=False
+            )
         set_rng_state(rng)  # the compiled forward draws the same random numbers
         # 16 bits anywhere (autocast around the model or inside its forward): their rounding.
         low = self.compressed or ops.sixteen_bit or any(p.dtype in _HALF for p in self.params.values())

@@ -130,6 +130,8 @@ def test_the_checks_compare_only_what_the_forward_gave_each_gradient(
         ("cond_branch", "aot_eager", "plain"),
         ("cond_branch", "aot_eager", "verify"),
         ("tensor_counter", "aot_eager", "plain"),  # a count in a plain tensor attribute: counted once
+        ("inplace_input", "aot_eager", "plain"),  # the input scaled in place: once
+        ("inplace_input", "aot_eager", "verify"),
     ],
 )
 def test_the_checks_never_break_a_model_that_trains(model: str, backend: str, case: str) -> None:
