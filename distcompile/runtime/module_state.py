@@ -134,8 +134,9 @@ def fresh_inputs(inputs: T) -> T:
     """``inputs`` (a forward's args and kwargs) with each tensor a copy of its own, for a run
     that must leave the caller's tensors alone: a forward may update its input in place
     (``x.div_(255)``), legally, once. Same values, strides, ``requires_grad`` and Python
-    attributes (``mark_dynamic``'s), outside any autograd graph; one copy per tensor object; a tensor whose strides a copy cannot have (an
-    expanded one, which no forward can update in place) is passed as it is.
+    attributes (``mark_dynamic``'s), outside any autograd graph; one copy per tensor object;
+    a tensor whose strides a copy cannot have (an expanded one, which no forward can update
+    in place) is passed as it is.
 
     Example:
         >>> x = torch.ones(2); (a, b), k = fresh_inputs(((x, x), {"y": 3}))
