@@ -25,7 +25,7 @@ from ..capture.graph import own_forward_code
 from ..errors import VerificationError
 from ..runtime.bucket import as_real
 from ..runtime.checkpoint import rng_state, set_rng_state
-from ..runtime.compare import max_diff
+from ..runtime.compare import inexact, max_diff
 
 __all__ = ["Ladder", "Run", "StageResult", "compare"]
 
@@ -153,7 +153,7 @@ class Ladder:
 def _close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
     if a.shape != b.shape:
         return False
-    if not (a.is_floating_point() or a.is_complex()):
+    if not inexact(a):
         return torch.equal(a, b)
     return torch.allclose(as_real(a).float(), as_real(b).float(), rtol=rtol, atol=atol)
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from .. import _torch_compat as compat
 from ..errors import UnsupportedModelError
 from .graph_memory import is_owned, own
-from .hooks import CommHook
+from .hooks import CommHook, GradBucketView
 
 __all__ = ["WIRE_DTYPES", "FlatBucket", "OneParamBucket", "as_real"]
 #: The dtype on the wire for each ``compression`` (``None``: the gradients' own).
@@ -233,7 +233,9 @@ class FlatBucket:
         self.launched_at = time.perf_counter()
         if hook is not None:
             self._fill(produced, 1.0)
-            self.future = hook.run(self.index, is_last, self.buffer[: self.numel], self.params)
+            self.future = hook.run(
+                GradBucketView(self.index, is_last, self.buffer[: self.numel], self.params, self.views)
+            )
             return
         self._fill(produced, scale, self._flags(produced, scale))
         self.work = compat.start_all_reduce(self.wire, group)

@@ -6,7 +6,18 @@ import torch
 
 from .bucket import as_real
 
-__all__ = ["max_abs", "max_diff"]
+__all__ = ["inexact", "max_abs", "max_diff"]
+
+
+def inexact(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds floating-point values (real or complex), compared within a tolerance;
+    other tensors (integers, booleans) are compared exactly.
+
+    Example:
+        >>> inexact(torch.ones(1)), inexact(torch.ones(1, dtype=torch.complex64)), inexact(torch.ones(1, dtype=torch.long))
+        (True, True, False)
+    """
+    return t.is_floating_point() or t.is_complex()
 
 
 def max_abs(t: torch.Tensor) -> float:

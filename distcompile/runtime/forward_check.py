@@ -24,8 +24,7 @@ Algorithm
     3. compiled: the step's real forward, whose outputs are returned. It is compared with
        the reference unless the forward drew random numbers (during 1, the random number
        generators moved: ``ops_seen.py``) and the backend is Inductor, whose random numbers
-       are its own; a difference
-       means the compiler is wrong for these inputs.
+       are its own; a difference means the compiler is wrong for these inputs.
 
     Outputs are compared as ``verify`` compares them: ``max|x - ref| <= tol * max|ref|``,
     ``tol`` 1e-4 for the captured forward and 1e-3 for the compiled one (both 2e-2 when any
@@ -51,7 +50,8 @@ Algorithm
     Put back between runs (``module_state.py``): each module's buffer entries by identity and
     value (a buffer the forward resized, assigned anew or registered included), plain
     attributes (a tensor among them in place) and the random number state. Runs 1 and 2 get
-    copies of the input tensors (``fresh_inputs``): a forward may update its input in place. A state that cannot be copied makes the check step aside (one log line).
+    copies of the input tensors (``fresh_inputs``): a forward may update its input in place.
+    A state that cannot be copied makes the check step aside (one log line).
 
 Cost
     Two more forwards and one eager backward in the checked steps only (the first step,
@@ -76,7 +76,7 @@ from torch import nn
 from .. import _torch_compat as compat
 from ..errors import VerificationError
 from .bucket import as_real
-from .compare import max_abs, max_diff
+from .compare import inexact, max_abs, max_diff
 from .grad_sources import GradSources
 from .module_state import ModuleState, fresh_inputs
 from .ops_seen import OpsSeen
@@ -98,7 +98,7 @@ def _differences(got: list, want: list, tol: float) -> list[str]:
         return [f"the forward returned {len(got)} values, eager {len(want)}"]
     found = []
     for i, (a, b) in enumerate(zip(got, want)):
-        if a is None or b is None or a.shape != b.shape or not (b.is_floating_point() or b.is_complex()):
+        if a is None or b is None or a.shape != b.shape or not inexact(b):
             continue
         diff, scale = max_diff(a, b), max(max_abs(b), 1e-6)
         if not diff <= tol * scale:  # NaN fails too

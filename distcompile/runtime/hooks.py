@@ -37,24 +37,26 @@ _BUILTIN = {"BuiltinCommHookType.ALLREDUCE": None, "BuiltinCommHookType.FP16_COM
 class GradBucketView:
     """What a communication hook receives: one distcompile bucket, as DDP's ``GradBucket``.
 
+    ``gradients`` are the bucket's views of ``buffer``, one a parameter (a complex one's as its
+    real and imaginary parts: Note [Flat buckets]).
+
     Example:
-        >>> b = GradBucketView(0, True, torch.zeros(3), [torch.nn.Parameter(torch.ones(3))])
+        >>> buf = torch.zeros(3)
+        >>> b = GradBucketView(0, True, buf, [torch.nn.Parameter(torch.ones(3))], [buf.view(3)])
         >>> b.index(), b.is_last(), b.buffer().numel(), len(b.gradients())
         (0, True, 3, 1)
     """
 
     def __init__(
-        self, index: int, is_last: bool, buffer: torch.Tensor, params: Sequence[torch.nn.Parameter]
+        self,
+        index: int,
+        is_last: bool,
+        buffer: torch.Tensor,
+        params: Sequence[torch.nn.Parameter],
+        gradients: Sequence[torch.Tensor],
     ) -> None:
-        self._index, self._is_last, self._buffer, self._params = index, is_last, buffer, list(params)
-        views, offset = [], 0
-        for p in self._params:
-            # A complex parameter's gradient is its real and imaginary parts (Note [Flat buckets]).
-            n = p.numel() * (2 if p.is_complex() else 1)
-            flat = buffer[offset : offset + n]
-            views.append(flat.view(*p.shape, 2) if p.is_complex() else flat.view_as(p))
-            offset += n
-        self._views = views
+        self._index, self._is_last, self._buffer = index, is_last, buffer
+        self._params, self._views = list(params), list(gradients)
 
     def index(self) -> int:
         """Position of the bucket in this step's launch order (0: ready first)."""
@@ -97,11 +99,9 @@ class CommHook:
     def name(self) -> str:
         return getattr(self.hook, "__qualname__", None) or repr(self.hook)
 
-    def run(
-        self, index: int, is_last: bool, buffer: torch.Tensor, params: Sequence[torch.nn.Parameter]
-    ) -> torch.futures.Future:
+    def run(self, bucket: GradBucketView) -> torch.futures.Future:
         """Call the hook on one bucket; its future, checked to be one."""
-        fut = self.hook(self.state, GradBucketView(index, is_last, buffer, params))
+        fut = self.hook(self.state, bucket)
         if not (callable(getattr(fut, "wait", None)) and callable(getattr(fut, "then", None))):
             raise UnsupportedModelError(
                 f"communication hook {self.name!r} returned a {type(fut).__name__}; DDP's contract is a "

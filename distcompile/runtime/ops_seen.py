@@ -13,18 +13,11 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .checkpoint import rng_state
+
 __all__ = ["OpsSeen"]
 
 _SIXTEEN = (torch.float16, torch.bfloat16)
-
-
-def _generators() -> list[torch.Tensor]:
-    """The default random number generators' states: the CPU's, the current CUDA device's once
-    CUDA is initialized (no device synchronization)."""
-    states = [torch.get_rng_state()]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states.append(torch.cuda.get_rng_state())
-    return states
 
 
 class OpsSeen(TorchFunctionMode):
@@ -50,15 +43,20 @@ class OpsSeen(TorchFunctionMode):
         super().__init__()
         self.drew = False
         self.sixteen_bit = False
-        self._states: list[torch.Tensor] = []
+        self._before: dict = {}
 
     def __enter__(self) -> OpsSeen:
-        self._states = _generators()
+        self._before = rng_state()
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
-        self.drew = any(not torch.equal(a, b) for a, b in zip(self._states, _generators()))
+        after = rng_state()  # torch's generators: the CPU's, the current CUDA device's (no sync)
+        self.drew = any(
+            k not in self._before or not torch.equal(self._before[k], after[k])
+            for k in ("torch", "cuda")
+            if k in after
+        )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))

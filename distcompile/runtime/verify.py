@@ -59,7 +59,7 @@ from ..errors import VerificationError
 from .bucket import as_real
 from .checkpoint import rng_state, set_rng_state
 from .collectives import all_reduce_coalesced, group_device
-from .compare import max_abs, max_diff
+from .compare import inexact, max_abs, max_diff
 from .grad_sources import GradSources
 from .module_state import fresh_inputs
 from .ops_seen import OpsSeen
@@ -93,7 +93,7 @@ class _Armed:
 def _checksums(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
     rows = []
     for t in tensors:
-        v = torch.zeros(1, dtype=torch.float64) if t is None else as_real(t.detach()).double()
+        v = torch.zeros(1, dtype=torch.float64, device=device) if t is None else as_real(t.detach()).double()
         rows.append(torch.stack([v.sum(), v.square().sum()]).to(device))
     return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64, device=device)
 
@@ -281,7 +281,7 @@ class StepCheck:
             b = ours.get(n)
             if b is None or b.shape != ref.shape:
                 continue
-            if not (b.is_floating_point() or b.is_complex()):
+            if not inexact(b):
                 if not torch.equal(b, ref):
                     out.append(f"buffer {n} differs from eager's after the forward")
                 continue
@@ -301,7 +301,7 @@ class StepCheck:
             if a is None or not isinstance(b, torch.Tensor) or a.shape != b.shape:
                 continue
             diff, scale = max_diff(a, b), max(max_abs(b), 1e-6)
-            if (a.is_floating_point() or a.is_complex()) and diff > self._tol(armed) * scale:
+            if inexact(a) and diff > self._tol(armed) * scale:
                 out.append(
                     f"output {i} of the forward differs from eager's by {diff:.3g} (scale {scale:.3g})"
                 )
