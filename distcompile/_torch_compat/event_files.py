@@ -83,9 +83,10 @@ def fast_records(writer: Any) -> bool:
     return True
 
 
-def summary_event(summary: Any, step: int) -> bytes:
-    """One TensorBoard event holding ``summary`` (many scalars) at ``step``, timed now, serialized
-    as ``SummaryWriter`` would write it; ``write_events`` hands it over.
+def summary_event(summary: Any, step: int, wall_time: float | None = None) -> bytes:
+    """One TensorBoard event holding ``summary`` (many scalars) at ``step``, timed ``wall_time``
+    (``time.time()``; now if ``None``), serialized as ``SummaryWriter`` would write it;
+    ``write_events`` hands it over.
 
     ``SummaryWriter`` has no public call for a prebuilt ``Summary``; one event per step costs
     a tenth of one ``add_scalar`` per tag. Checked: 2.11, 2.13, 2.15 (tensorboard 2.21.0).
@@ -97,7 +98,9 @@ def summary_event(summary: Any, step: int) -> bytes:
     """
     from tensorboard.compat.proto.event_pb2 import Event
 
-    return Event(wall_time=time.time(), step=step, summary=summary).SerializeToString()
+    return Event(
+        wall_time=time.time() if wall_time is None else wall_time, step=step, summary=summary
+    ).SerializeToString()
 
 
 def write_events(writer: Any, events: list[bytes]) -> None:

@@ -18,6 +18,7 @@ __all__ = [
     "chrome_trace",
     "comm_figures",
     "describe_figures",
+    "figures_less_waits",
     "fill_gaps",
     "fmt",
     "mean_figures",
@@ -104,6 +105,29 @@ def comm_figures(
         "overlapped_ms": both * 1e3,
         "exposed_ms": (total - both) * 1e3,
         "overlap_pct": 100.0 * both / total if total > 0 else None,
+    }
+
+
+def figures_less_waits(
+    comm: Iterable[tuple[float, float]], waits: Iterable[tuple[float, float]]
+) -> dict[str, float | None]:
+    """``comm_figures`` of a CPU step whose computation is all of it but ``waits`` (Note [Segment
+    spans on CPU] in ``sink.py``), for all-reduces inside the step: exposed is what the waits
+    cover. The same figures, without building the step's gaps.
+
+    Example:
+        >>> f = figures_less_waits([(1, 2), (2, 4)], [(3.5, 4)])
+        >>> f == comm_figures([(1, 2), (2, 4)], fill_gaps([], (0, 5), [(3.5, 4)]))
+        True
+    """
+    c = union(comm)
+    total = _length(c)
+    exposed = _intersection(c, union(waits))
+    return {
+        "comm_ms": total * 1e3,
+        "overlapped_ms": (total - exposed) * 1e3,
+        "exposed_ms": exposed * 1e3,
+        "overlap_pct": 100.0 * (total - exposed) / total if total > 0 else None,
     }
 
 

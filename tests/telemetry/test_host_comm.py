@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -61,3 +62,36 @@ def test_a_step_not_drawn_has_the_figures_and_scalars_of_a_drawn_one(tmp_path: P
         boards[name] = {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
     assert boards["plain"] == boards["drawn"]
     assert boards["plain"]["comm/bucket_0_ms"] == [1000.0] and boards["plain"]["comm/bucket_1_ms"] == [2000.0]
+
+
+class _TwoPieces(torch.nn.Module):
+    """Stands in for a split graph: its children carry the names the compiled pieces have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.compiled_submod_0 = torch.nn.Linear(2, 2)
+        self.compiled_submod_1 = torch.nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.compiled_submod_1(self.compiled_submod_0(x))
+
+
+def test_steps_not_drawn_run_the_pieces_themselves(tmp_path: Path) -> None:
+    # Note [Segment spans on CPU]: a stand-in timing a piece is in place only in a drawn step.
+    tele = Telemetry(run_dir=None, trace_dir=str(tmp_path), rank=0, trace_every=2, figure_every=0)
+    graph = tele.instrument(torch.fx.symbolic_trace(_TwoPieces()), 0)
+    plain = [graph.compiled_submod_0, graph.compiled_submod_1]
+    seen = []
+    for k in range(4):
+        tele.begin_step()
+        seen.append([type(graph.get_submodule(f"compiled_submod_{i}")).__name__ for i in range(2)])
+        graph(torch.ones(1, 2)).sum().backward()
+        tele.end_step(StepStats(step=k, fwd_bwd_ms=1.0))
+        assert [graph.compiled_submod_0, graph.compiled_submod_1] == plain  # after the step: themselves
+    assert seen == [["_TimedPiece"] * 2, ["Linear"] * 2] * 2
+    for k in (0, 2):  # traced: each piece's forward and backward
+        doc = json.loads((tmp_path / f"trace_rank0_step{k}.json").read_text())
+        names = {e["name"] for e in doc["traceEvents"] if e.get("cat") == "compute"}
+        assert {"g0.s0 fwd", "g0.s1 fwd", "g0.s0 bwd", "g0.s1 bwd"} <= names, names
+    assert not (tmp_path / "trace_rank0_step1.json").exists()
+    tele.close()
