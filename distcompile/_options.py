@@ -255,8 +255,8 @@ class CheckOptions(_Group):
             ``False``: no check.
         verify_tolerance: Largest difference ``verify`` accepts, relative to the largest
             eager value (a parameter's gradient, an output). ``None``: 1e-3 (1e-4 for the
-            captured forward), or 2e-2 in 16-bit precision (half-precision parameters,
-            autocast, compression).
+            captured forward), or 2e-2 in float16 precision (half-precision parameters,
+            autocast, compression) and 1e-1 where the forward computes in bfloat16.
         desync_timeout_s: Seconds to wait for every rank to publish its plan before
             raising :class:`distcompile.DesyncError`.
     """

@@ -70,6 +70,11 @@ def gpt() -> nn.Module:
     return GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=64))
 
 
+def gpt_bf16() -> nn.Module:
+    """``gpt`` with its parameters in bfloat16 (trained in bfloat16 throughout)."""
+    return gpt().to(torch.bfloat16)
+
+
 def one_piece() -> nn.Module:
     """Small enough for one bucket, no repeated blocks: a graph compiled as one piece."""
     return nn.Sequential(nn.Linear(64, 16), nn.GELU(), nn.Linear(16, 8))
@@ -82,13 +87,14 @@ BUILDERS = {
     "graph_break": GraphBreak,
     "unused": Unused,
     "gpt": gpt,
+    "gpt_bf16": gpt_bf16,
 }
 
 
 def batch(name: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets that differ per rank and step (so averaging matters)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    if name == "gpt":
+    if name in ("gpt", "gpt_bf16"):
         idx = torch.randint(0, 128, (4, 16), generator=g)
         return idx, torch.roll(idx, -1, dims=1)
     if name in ("convbn", "qat_eager", "qat_fx"):
@@ -119,7 +125,7 @@ def step_each(models: tuple, opts: list, loss_of: object) -> list[float]:
 
 
 def loss_fn(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if name == "gpt":
+    if name in ("gpt", "gpt_bf16"):
         return GPT.loss(out, target)
     if name == "autocast_inside":
         return F.cross_entropy(out, target)

@@ -28,8 +28,9 @@ Algorithm
 
     Outputs are compared as ``verify`` compares them: ``max|x - ref| <= tol * max|ref|``,
     ``tol`` 1e-4 for the captured forward and 1e-3 for the compiled one (both 2e-2 when any
-    of the forward runs in 16 bits: half-precision parameters, autocast around the model or
-    inside its forward, as ``OpsSeen`` sees during 1), or ``verify_tolerance``.
+    of the forward runs in float16, 1e-1 in bfloat16: half-precision parameters, autocast
+    around the model or inside its forward, as ``OpsSeen`` sees during 1;
+    ``compare.ROUNDED_TOLERANCE``), or ``verify_tolerance``.
     A difference raises :class:`~distcompile.VerificationError` on the rank that saw it,
     naming the graphs of the call, the regions in use and the fixes; its peers, waiting in
     the step's all-reduce, name it in their error (``_agreement.mark_failed``).
@@ -76,7 +77,7 @@ from torch import nn
 from .. import _torch_compat as compat
 from ..errors import VerificationError
 from .bucket import as_real
-from .compare import inexact, max_abs, max_diff
+from .compare import inexact, max_abs, max_diff, rounded_tolerance
 from .grad_sources import GradSources
 from .module_state import ModuleState, fresh_inputs
 from .ops_seen import OpsSeen
@@ -85,8 +86,6 @@ from .verify import GradTap
 __all__ = ["ForwardCheck"]
 
 log = logging.getLogger(__name__)
-
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def _leaves(out: object) -> list[torch.Tensor | None]:
@@ -219,9 +218,8 @@ class ForwardCheck:
         self.pending = False
         self.checked += 1
         # 16 bits anywhere (an autocast region inside, half parameters or outputs): their rounding.
-        low = ops.sixteen_bit or any(t is not None and t.dtype in _HALF for t in want)
-        low = low or any(p.dtype in _HALF for p in self.module.parameters())
-        tol = self.tolerance or (2e-2 if low else None)
+        dtypes = {*ops.sixteen_bit, *(t.dtype for t in want if t is not None)}
+        tol = self.tolerance or rounded_tolerance(dtypes | {p.dtype for p in self.module.parameters()})
         findings = [f"as captured (uncompiled): {d}" for d in _differences(captured, want, tol or 1e-4)]
         compared = not (ops.drew and self.backend == "inductor")
         if compared:

@@ -21,28 +21,28 @@ _SIXTEEN = (torch.float16, torch.bfloat16)
 
 
 class OpsSeen(TorchFunctionMode):
-    """A context that sees what the code inside it did. ``sixteen_bit``: a torch function or
-    tensor method gave a float16 or bfloat16 tensor (an autocast region inside a float32
-    forward, half parameters; inside a higher-order operator's body, only its outputs are
-    seen). ``drew`` (known at exit): the default random number generators
+    """A context that sees what the code inside it did. ``sixteen_bit``: the 16-bit dtypes,
+    float16 or bfloat16, of the tensors torch functions and tensor methods gave (an autocast
+    region inside a float32 forward, half parameters; inside a higher-order operator's body,
+    only its outputs are seen). ``drew`` (known at exit): the default random number generators
     moved (dropout, ``rand``; a draw from a ``torch.Generator`` of the user's is not seen).
 
     Example:
         >>> with OpsSeen() as seen:
         ...     _ = torch.nn.functional.dropout(torch.ones(4), 0.5)
         >>> seen.drew, seen.sixteen_bit
-        (True, False)
+        (True, set())
         >>> with OpsSeen() as seen:  # a higher-order operator inside: its outputs are seen
         ...     y = torch.cond(torch.tensor(True), lambda t: t * 2, lambda t: t - 1, (torch.ones(2),))
         ...     _ = y.bfloat16()
         >>> seen.drew, seen.sixteen_bit
-        (False, True)
+        (False, {torch.bfloat16})
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.drew = False
-        self.sixteen_bit = False
+        self.sixteen_bit: set[torch.dtype] = set()
         self._before: dict = {}
 
     def __enter__(self) -> OpsSeen:
@@ -60,7 +60,9 @@ class OpsSeen(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
-        if not self.sixteen_bit:
+        if torch.bfloat16 not in self.sixteen_bit:  # the coarser of the two: nothing more to learn
             outs = out if isinstance(out, (tuple, list)) else (out,)
-            self.sixteen_bit = any(isinstance(t, torch.Tensor) and t.dtype in _SIXTEEN for t in outs)
+            self.sixteen_bit.update(
+                t.dtype for t in outs if isinstance(t, torch.Tensor) and t.dtype in _SIXTEEN
+            )
         return out

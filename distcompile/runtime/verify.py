@@ -59,7 +59,7 @@ from ..errors import VerificationError
 from .bucket import as_real
 from .checkpoint import rng_state, set_rng_state
 from .collectives import all_reduce_coalesced, group_device
-from .compare import inexact, max_abs, max_diff
+from .compare import inexact, max_abs, max_diff, rounded_tolerance
 from .grad_sources import GradSources
 from .module_state import fresh_inputs
 from .ops_seen import OpsSeen
@@ -67,8 +67,6 @@ from .ops_seen import OpsSeen
 __all__ = ["GradTap", "StepCheck"]
 
 log = logging.getLogger(__name__)
-
-_HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -79,7 +77,7 @@ class _Armed:
     ref_buffers: dict[str, torch.Tensor]
     ref_out: object
     sync: bool
-    low_precision: bool
+    rounded: float | None  # the tolerance of 16-bit rounding (compare.rounded_tolerance), if any
     grads_before: dict[str, torch.Tensor]
     mark: int  # compat.node_order() before the compiled forward
     step: int  # synchronized steps ended before the forward
@@ -169,8 +167,10 @@ class StepCheck:
                 self.module, tensors, *fresh_inputs((args, kwargs)), strict=False
             )
         set_rng_state(rng)  # the compiled forward draws the same random numbers
-        # 16 bits anywhere (autocast around the model or inside its forward): their rounding.
-        low = self.compressed or ops.sixteen_bit or any(p.dtype in _HALF for p in self.params.values())
+        # 16 bits anywhere (autocast around the model or inside its forward, half parameters,
+        # gradients compressed: rounded once, as float16 is): their rounding.
+        dtypes = {*ops.sixteen_bit, *(p.dtype for p in self.params.values())}
+        low = rounded_tolerance(dtypes | ({torch.float16} if self.compressed else set()))
         before = {n: p.grad.detach().clone() for n, p in self.params.items() if p.grad is not None}
         self._armed = _Armed(params, buffers, ref_out, sync, low, before, compat.node_order(), self.steps())
 
@@ -249,7 +249,7 @@ class StepCheck:
     def _tol(self, armed: _Armed) -> float:
         if self.tolerance is not None:
             return self.tolerance
-        return 2e-2 if armed.low_precision else 1e-3
+        return armed.rounded or 1e-3
 
     def _compare(self, armed: _Armed) -> list[str]:
         ref_params = armed.ref_params

@@ -132,11 +132,14 @@ def test_the_checks_compare_only_what_the_forward_gave_each_gradient(
         ("tensor_counter", "aot_eager", "plain"),  # a count in a plain tensor attribute: counted once
         ("inplace_input", "aot_eager", "plain"),  # the input scaled in place: once
         ("inplace_input", "aot_eager", "verify"),
+        # parameters in bfloat16: Inductor's gradients 1.5-4% off eager's, over float16's 2e-2
+        ("gpt_bf16", "inductor", "plain"),
+        ("gpt_bf16", "inductor", "verify"),
     ],
 )
 def test_the_checks_never_break_a_model_that_trains(model: str, backend: str, case: str) -> None:
     results = run_ranks(workers.parity, 2, model, backend, case, timeout=600)
-    check_parity_within(results, TOL[backend])
+    check_parity_within(results, TOL["bf16" if model == "gpt_bf16" else backend])
     if model == "partial_checkpoint":  # the regions held: no capture again without them
         assert all(res["regions_kept"] for res in results), results[0]["regions_kept"]
 
