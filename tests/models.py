@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -648,7 +649,33 @@ class InplaceInput(_TwoLayer):
         return super().forward(x)
 
 
-BUILDERS.update({"step_counter": StepCounter, "tensor_counter": TensorCounter, "inplace_input": InplaceInput})
+class NumpyMask(nn.Module):
+    """Rows masked at random from NumPy's global generator in forward and replaced by a learned
+    vector, as Hugging Face's speech models mask time steps (SpecAugment, wav2vec2's
+    ``_compute_mask_indices``). Compiled, TorchDynamo draws those numbers from torch's
+    generator unless ``torch._dynamo.config.use_numpy_random_stream`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, 16)
+        self.masked = nn.Parameter(torch.randn(16))
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        if self.training:
+            h[torch.tensor(np.random.rand(h.shape[0]) < 0.4)] = self.masked
+        return self.out(F.gelu(h))
+
+
+BUILDERS.update(
+    {
+        "step_counter": StepCounter,
+        "tensor_counter": TensorCounter,
+        "inplace_input": InplaceInput,
+        "numpy_mask": NumpyMask,
+    }
+)
 
 
 class _BreakingBlock(nn.Module):

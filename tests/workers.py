@@ -7,6 +7,7 @@ import os
 import tempfile
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -61,6 +62,8 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
         wrap_kwargs["dynamic"] = _DYNAMIC[case]
     if case == "dynamic_shapes":  # dynamic=True on the model's own inputs, no length schedule
         wrap_kwargs["dynamic"] = True
+    if case == "numpy_stream":  # NumPy's draws run eagerly, at graph breaks, as in eager DDP
+        torch._dynamo.config.use_numpy_random_stream = True
     if case == "capture_dynamic":  # a user's TorchDynamo settings: nonzero and .item() in graphs
         torch._dynamo.config.capture_dynamic_output_shape_ops = True
         torch._dynamo.config.capture_scalar_outputs = True
@@ -87,6 +90,7 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
                 ctx = model.no_sync() if m < micro - 1 else _null()
                 amp = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else _null()
                 xin = x.clone() if model_name == "inplace_input" else x  # each model's own, changed once
+                np.random.seed(1000 * step + rank)  # each model the same NumPy draws (numpy_mask)
                 with ctx, amp:
                     loss = loss_fn(model_name, model(xin), y)
                     loss.backward(retain_graph=case.startswith("retain_graph"))

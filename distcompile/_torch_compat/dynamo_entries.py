@@ -1,5 +1,6 @@
 """What TorchDynamo keeps of what it compiled (cache entries, backends), whether it is running
-now, the time spent in what Inductor compiled, and nn.Module's own dicts."""
+now, whose random numbers its graphs draw for NumPy, the time spent in what Inductor compiled,
+and nn.Module's own dicts."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ __all__ = [
     "inductor_graph_seconds",
     "inside_dynamo",
     "module_dicts",
+    "numpy_random_from_torch",
     "release_backend",
 ]
 
@@ -155,3 +157,16 @@ def inside_dynamo() -> bool:
         False
     """
     return _eval_frame_callback() not in (None, False)
+
+
+def numpy_random_from_torch() -> bool:
+    """Whether TorchDynamo traces ``np.random`` calls into its graphs with torch's generator
+    (``use_numpy_random_stream=False``, the default): compiled, a forward that draws from
+    NumPy's global generator draws other numbers than eagerly. Checked: 2.13, 2.15
+    (``torch._dynamo.config.use_numpy_random_stream``).
+
+    Example:
+        >>> numpy_random_from_torch()
+        True
+    """
+    return not torch._dynamo.config.use_numpy_random_stream

@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import re
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -36,19 +37,42 @@ _NAME = re.compile(r"step-(\d{8})\.pt$")
 
 
 def rng_state() -> dict:
-    """This process's RNG states: torch CPU, Python, and the current CUDA device once initialized."""
+    """This process's RNG states: torch CPU, Python's, NumPy's global one (when NumPy is
+    installed: Hugging Face's speech models draw their SpecAugment masks from it in forward),
+    and the current CUDA device once initialized.
+
+    Example:
+        >>> import numpy as np
+        >>> state = rng_state(); a = np.random.rand(); set_rng_state(state); a == np.random.rand()
+        True
+    """
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    np = _numpy()
+    if np is not None:
+        state["numpy"] = np.random.get_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore what :func:`rng_state` returned."""
+    """Restore what :func:`rng_state` returned (a checkpoint written before NumPy's state was
+    kept restores the others)."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+    np = _numpy()
+    if "numpy" in state and np is not None:
+        np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _numpy() -> ModuleType | None:
+    try:
+        import numpy
+    except ImportError:  # an optional dependency
+        return None
+    return numpy
 
 
 def _fsync_dir(path: str) -> None:

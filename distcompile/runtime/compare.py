@@ -9,7 +9,7 @@ import torch
 
 from .bucket import as_real
 
-__all__ = ["ROUNDED_TOLERANCE", "inexact", "max_abs", "max_diff", "rounded_tolerance"]
+__all__ = ["ROUNDED_TOLERANCE", "checksums", "inexact", "max_abs", "max_diff", "rounded_tolerance"]
 
 #: The checks' relative tolerance where the forward computes in 16 bits, by dtype. bfloat16
 #: keeps 8 significant bits, float16 11: its rounding is 8x float16's. Measured (Inductor
@@ -61,3 +61,18 @@ def rounded_tolerance(dtypes: Iterable[torch.dtype]) -> float | None:
         (0.1, None)
     """
     return max((ROUNDED_TOLERANCE[d] for d in dtypes if d in ROUNDED_TOLERANCE), default=None)
+
+
+def checksums(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """One row per tensor, its sum and its sum of squares in float64 on ``device`` (a complex
+    one by its real and imaginary parts; ``None``: zeros): what ranks compare to agree.
+
+    Example:
+        >>> checksums([torch.tensor([1.0, 2.0]), None], torch.device("cpu")).tolist()
+        [[3.0, 5.0], [0.0, 0.0]]
+    """
+    rows = []
+    for t in tensors:
+        v = torch.zeros(1, dtype=torch.float64, device=device) if t is None else as_real(t.detach()).double()
+        rows.append(torch.stack([v.sum(), v.square().sum()]).to(device))
+    return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64, device=device)

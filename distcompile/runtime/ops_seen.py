@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .. import _torch_compat as compat
 from .checkpoint import rng_state
 
 __all__ = ["OpsSeen"]
@@ -25,7 +26,8 @@ class OpsSeen(TorchFunctionMode):
     float16 or bfloat16, of the tensors torch functions and tensor methods gave (an autocast
     region inside a float32 forward, half parameters; inside a higher-order operator's body,
     only its outputs are seen). ``drew`` (known at exit): the default random number generators
-    moved (dropout, ``rand``; a draw from a ``torch.Generator`` of the user's is not seen).
+    moved (dropout, ``rand``; a draw from a ``torch.Generator`` of the user's is not seen);
+    ``numpy_drew``: NumPy's global one did (``unreplayable``).
 
     Example:
         >>> with OpsSeen() as seen:
@@ -42,6 +44,7 @@ class OpsSeen(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.drew = False
+        self.numpy_drew = False
         self.sixteen_bit: set[torch.dtype] = set()
         self._before: dict = {}
 
@@ -57,6 +60,27 @@ class OpsSeen(TorchFunctionMode):
             for k in ("torch", "cuda")
             if k in after
         )
+        # NumPy's (MT19937: its key and position): compiled, TorchDynamo draws those from torch's.
+        before, now = self._before.get("numpy"), after.get("numpy")
+        self.numpy_drew = None not in (before, now) and (before[2] != now[2] or (before[1] != now[1]).any())
+
+    def unreplayable(self) -> str:
+        """Why the compiled forward cannot draw the random numbers this one drew ("" if it can).
+
+        Example:
+            >>> import numpy as np
+            >>> with OpsSeen() as seen:
+            ...     _ = np.random.rand()
+            >>> seen.unreplayable().split(",")[0]
+            "the forward draws from NumPy's global generator"
+        """
+        if self.numpy_drew and compat.numpy_random_from_torch():
+            return (
+                "the forward draws from NumPy's global generator, which TorchDynamo's graphs replace with "
+                "torch's (torch._dynamo.config.use_numpy_random_stream=False, its default), so the compiled "
+                "forward draws other numbers (set it to True to compare: NumPy's draws then run eagerly)"
+            )
+        return ""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))

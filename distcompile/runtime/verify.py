@@ -56,10 +56,9 @@ from torch import nn
 
 from .. import _torch_compat as compat
 from ..errors import VerificationError
-from .bucket import as_real
 from .checkpoint import rng_state, set_rng_state
 from .collectives import all_reduce_coalesced, group_device
-from .compare import inexact, max_abs, max_diff, rounded_tolerance
+from .compare import checksums, inexact, max_abs, max_diff, rounded_tolerance
 from .grad_sources import GradSources
 from .module_state import fresh_inputs
 from .ops_seen import OpsSeen
@@ -86,14 +85,7 @@ class _Armed:
     sources: GradSources | None = None
     grads_in: dict[int, torch.Tensor] = field(default_factory=dict)
     queued: bool = False
-
-
-def _checksums(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
-    rows = []
-    for t in tensors:
-        v = torch.zeros(1, dtype=torch.float64, device=device) if t is None else as_real(t.detach()).double()
-        rows.append(torch.stack([v.sum(), v.square().sum()]).to(device))
-    return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64, device=device)
+    skipped: str = ""  # why this step cannot be compared (OpsSeen.unreplayable), if it cannot
 
 
 class GradTap(torch.autograd.Function):
@@ -173,6 +165,7 @@ class StepCheck:
         low = rounded_tolerance(dtypes | ({torch.float16} if self.compressed else set()))
         before = {n: p.grad.detach().clone() for n, p in self.params.items() if p.grad is not None}
         self._armed = _Armed(params, buffers, ref_out, sync, low, before, compat.node_order(), self.steps())
+        self._armed.skipped = ops.unreplayable()
 
     def attach(self, out: object) -> object:
         """After the compiled forward: ``out`` with a tap on each output that requires grad.
@@ -223,15 +216,18 @@ class StepCheck:
             log.info("verify: a checked forward's backward came after its step's all-reduce: not compared")
             return
         self.settle()  # the reducer's own end of step: gradients averaged into param.grad
-        findings = self._compare(armed)
+        findings = [] if armed.skipped else self._compare(armed)
         flags = torch.zeros(dist.get_world_size(self.group), device=self._device())
         flags[dist.get_rank(self.group)] = float(bool(findings))
         dist.all_reduce(flags, group=self.group)
         self.pending = False
         self.checked += 1
         bad = [r for r, f in enumerate(flags.tolist()) if f]
-        if not bad:
+        if not bad and armed.skipped:
+            log.warning("verify: step %d not compared: %s", self.checked - 1, armed.skipped)
+        elif not bad:
             log.info("verify: step %d matches eager DDP (tolerance %.0e)", self.checked - 1, self._tol(armed))
+        if not bad:
             return
         shown = findings[:12] + ([f"... and {len(findings) - 12} more"] if len(findings) > 12 else [])
         mine = "\n  ".join(shown) if findings else "nothing on this rank"
@@ -397,9 +393,9 @@ class StepCheck:
         """Parameters at the start of the step, and (after an all-reduce) gradients, equal on every rank."""
         names = list(self.params)
         device = self._device()
-        rows = _checksums([ref_params[n] if n in ref_params else None for n in names], device)
+        rows = checksums([ref_params[n] if n in ref_params else None for n in names], device)
         if grads:  # under no_sync each rank keeps its own gradients
-            rows = torch.cat([rows, _checksums([self.params[n].grad for n in names], device)])
+            rows = torch.cat([rows, checksums([self.params[n].grad for n in names], device)])
         high, low = rows.clone(), rows.clone()
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.group)
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.group)

@@ -135,6 +135,8 @@ def test_the_checks_compare_only_what_the_forward_gave_each_gradient(
         # parameters in bfloat16: Inductor's gradients 1.5-4% off eager's, over float16's 2e-2
         ("gpt_bf16", "inductor", "plain"),
         ("gpt_bf16", "inductor", "verify"),
+        # NumPy's draws kept NumPy's (use_numpy_random_stream): checked, and as eager DDP trains
+        ("numpy_mask", "aot_eager", "numpy_stream"),
     ],
 )
 def test_the_checks_never_break_a_model_that_trains(model: str, backend: str, case: str) -> None:
@@ -142,6 +144,16 @@ def test_the_checks_never_break_a_model_that_trains(model: str, backend: str, ca
     check_parity_within(results, TOL["bf16" if model == "gpt_bf16" else backend])
     if model == "partial_checkpoint":  # the regions held: no capture again without them
         assert all(res["regions_kept"] for res in results), results[0]["regions_kept"]
+
+
+@pytest.mark.parametrize("run", ["forward_check_run", "verify_run"])
+def test_a_forward_drawing_from_numpys_generator_is_not_compared_with_other_draws(run: str) -> None:
+    # Hugging Face's speech models draw their masks from NumPy's global generator; compiled,
+    # TorchDynamo draws them from torch's (use_numpy_random_stream=False): both checks failed
+    # a right model at step 0 (the draws differ, not the model). They step aside, and say so.
+    for res in run_ranks(getattr(verify_workers, run), 2, "numpy_mask", "aot_eager"):
+        assert res["error"] is None, res["error"]
+        assert res["checked"] == (1 if run == "verify_run" else 0), res  # verify: not compared, said
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
