@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .. import _torch_compat as compat
 from .._agreement import default_store
 from .._config import BACKENDS
 from .._log import enable_progress
@@ -22,6 +23,7 @@ from ..capture.regions import has_repeated_blocks
 from ..errors import ConfigError, UnsupportedModelError
 from ..runtime.checkpoint import rng_state
 from ..runtime.collectives import agreed_token, group_device
+from ..runtime.ops_seen import numpy_drew
 from ._ladder import Ladder, StageResult, compare
 
 __all__ = ["doctor", "DoctorReport", "StageResult"]
@@ -43,6 +45,11 @@ _RANDOM_NOTE = (
     "the model draws random numbers (dropout?): every stage replays the reference's RNG state at "
     "each step, and Inductor draws from eager's generator under verify (fallback_random), because "
     "its own random numbers differ from eager's by design (training with them is fine)"
+)
+_NUMPY_NOTE = (
+    "the model draws from NumPy's global generator: where TorchDynamo traces those calls into a graph "
+    "it draws from torch's generator instead (torch._dynamo.config.use_numpy_random_stream=False, its "
+    "default), so a stage can differ from eager DDP by its draws alone; set it to True to compare them"
 )
 
 
@@ -225,11 +232,7 @@ def doctor(
     log.info("doctor: eager DDP reference, %d step(s)", steps)
     ref = lad.reference(group())
     report = DoctorReport(stages=list(stages), steps=steps, rtol=rtol, atol=atol)
-    states = [*ref.rngs, rng_state()]  # before each step, and after the last
-    if any(
-        not torch.equal(a[k], b[k]) for a, b in zip(states, states[1:]) for k in ("torch", "cuda") if k in a
-    ):
-        report.notes.append(_RANDOM_NOTE)
+    report.notes += _notes([*ref.rngs, rng_state()])  # before each step, and after the last
     retry = has_repeated_blocks(inner)
     for stage in stages:
         for regions in (True, False) if retry else (True,):
@@ -247,3 +250,14 @@ def doctor(
         if report.first_bad_stage is None and not _fine(results):
             report.first_bad_stage = stage
     return report
+
+
+def _notes(states: list[dict]) -> list[str]:
+    """What the comparison took into account, from the reference's RNG states (``rng_state``)."""
+    pairs = list(zip(states, states[1:]))
+    notes = []
+    if any(not torch.equal(a[k], b[k]) for a, b in pairs for k in ("torch", "cuda") if k in a):
+        notes.append(_RANDOM_NOTE)
+    if any(numpy_drew(a, b) for a, b in pairs) and compat.numpy_random_from_torch():
+        notes.append(_NUMPY_NOTE)
+    return notes

@@ -16,9 +16,22 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch_compat as compat
 from .checkpoint import rng_state
 
-__all__ = ["OpsSeen"]
+__all__ = ["OpsSeen", "numpy_drew"]
 
 _SIXTEEN = (torch.float16, torch.bfloat16)
+
+
+def numpy_drew(before: dict, after: dict) -> bool:
+    """Whether NumPy's global generator moved between two ``checkpoint.rng_state()`` readings
+    (MT19937: its key and position).
+
+    Example:
+        >>> import numpy as np
+        >>> a = rng_state(); _ = np.random.rand(); numpy_drew(a, rng_state()), numpy_drew(a, a)
+        (True, False)
+    """
+    old, new = before.get("numpy"), after.get("numpy")
+    return old is not None and new is not None and (old[2] != new[2] or bool((old[1] != new[1]).any()))
 
 
 class OpsSeen(TorchFunctionMode):
@@ -60,9 +73,7 @@ class OpsSeen(TorchFunctionMode):
             for k in ("torch", "cuda")
             if k in after
         )
-        # NumPy's (MT19937: its key and position): compiled, TorchDynamo draws those from torch's.
-        before, now = self._before.get("numpy"), after.get("numpy")
-        self.numpy_drew = None not in (before, now) and (before[2] != now[2] or (before[1] != now[1]).any())
+        self.numpy_drew = numpy_drew(self._before, after)  # compiled, TorchDynamo draws those from torch's
 
     def unreplayable(self) -> str:
         """Why the compiled forward cannot draw the random numbers this one drew ("" if it can).

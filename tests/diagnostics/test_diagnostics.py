@@ -55,6 +55,14 @@ def test_doctor_names_first_diverging_stage() -> None:
         assert "first failing stage: eager" in res["text"]
 
 
+def test_doctor_says_when_a_model_draws_from_numpys_generator() -> None:
+    # Compiled, TorchDynamo draws np.random's numbers from torch's generator: a stage that
+    # differs from eager DDP may differ by its draws alone, and the report says so.
+    for res in run_ranks(verify_workers.doctor_run, 2, "numpy_mask", ("eager",)):
+        assert "note: the model draws from NumPy's global generator" in res["text"], res["text"]
+        assert "use_numpy_random_stream" in res["text"], res["text"]
+
+
 def test_doctor_reports_a_crash_with_the_exception() -> None:
     for res in run_ranks(verify_workers.doctor_run, 2, "crashes", ("eager", "aot_eager")):
         assert res["first_bad"] == "eager" and res["status"]["eager"] == ["crashed", "crashed"], res["text"]
