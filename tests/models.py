@@ -668,8 +668,21 @@ class NumpyMask(nn.Module):
         return self.out(F.gelu(h))
 
 
+class OwnGenerator(_TwoLayer):
+    """Noise from a ``torch.Generator`` the module keeps as an attribute (a deterministic
+    augmentation): a check that runs the forward three times draws the same noise each time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(1234)
+
+    def mid(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h) + 0.1 * torch.randn(h.shape, generator=self.gen)
+
+
 BUILDERS.update(
     {
+        "own_generator": OwnGenerator,
         "step_counter": StepCounter,
         "tensor_counter": TensorCounter,
         "inplace_input": InplaceInput,

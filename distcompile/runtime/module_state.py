@@ -15,7 +15,7 @@ from torch import nn
 from .. import _torch_compat as compat
 from .checkpoint import rng_state, set_rng_state
 
-__all__ = ["ModuleState", "fresh_inputs", "put_back"]
+__all__ = ["ModuleState", "fresh_inputs", "generator_states", "put_back", "set_generator_states"]
 
 T = TypeVar("T")
 
@@ -29,7 +29,8 @@ class ModuleState:
     ``forward`` that a trainer patched in for one call: Lightning's forward redirection puts
     the original back when called), lists, dicts and sets copied one level deep; a tensor
     among them (a count kept as a plain attribute, updated in place) is put back in place,
-    and is a copy during ``copies()`` as buffers are.
+    and is a copy during ``copies()`` as buffers are; a ``torch.Generator`` among them gets
+    its state back.
 
     Example:
         >>> m = nn.BatchNorm1d(2); m.seen = torch.zeros(()); state = ModuleState(m)
@@ -63,6 +64,7 @@ class ModuleState:
             )
             for m in module.modules()
         ]
+        self.generators = generator_states(module)
         # Tensors among the attributes (not trainable ones): their values.
         self.tensors = [
             (m, k, v, v.detach().clone())
@@ -111,7 +113,32 @@ class ModuleState:
         with torch.no_grad():
             for _, _, t, value in self.tensors:
                 put_back(t, value)
+        set_generator_states(self.generators)
         set_rng_state(self.rng)
+
+
+def generator_states(module: nn.Module) -> list[tuple[torch.Generator, torch.Tensor]]:
+    """The ``torch.Generator`` objects the module's submodules keep as attributes (noise a
+    module draws from its own), with their states, for ``set_generator_states``.
+
+    Example:
+        >>> m = nn.Linear(2, 2); m.gen = torch.Generator().manual_seed(0); states = generator_states(m)
+        >>> a = torch.rand(1, generator=m.gen); set_generator_states(states)
+        >>> bool(torch.equal(a, torch.rand(1, generator=m.gen)))
+        True
+    """
+    return [
+        (v, v.get_state())
+        for m in module.modules()
+        for k, v in vars(m).items()
+        if k[:1] != "_" and isinstance(v, torch.Generator)
+    ]
+
+
+def set_generator_states(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+    """Put back what ``generator_states`` read."""
+    for g, state in states:
+        g.set_state(state)
 
 
 def put_back(b: torch.Tensor, value: torch.Tensor) -> None:
