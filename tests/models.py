@@ -680,8 +680,23 @@ class OwnGenerator(_TwoLayer):
         return torch.tanh(h) + 0.1 * torch.randn(h.shape, generator=self.gen)
 
 
+class GeneratorInput(nn.Module):
+    """Noise from a ``generator=`` its caller passes (as diffusers' ``AutoencoderKL`` samples its
+    posterior): a check that runs the forward three times draws the same noise each time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(torch.tanh(h) + 0.1 * torch.randn(h.shape, generator=generator))
+
+
 BUILDERS.update(
     {
+        "generator_input": GeneratorInput,
         "own_generator": OwnGenerator,
         "step_counter": StepCounter,
         "tensor_counter": TensorCounter,

@@ -91,8 +91,11 @@ def parity(rank: int, world: int, model_name: str, backend: str, case: str = "pl
                 amp = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else _null()
                 xin = x.clone() if model_name == "inplace_input" else x  # each model's own, changed once
                 np.random.seed(1000 * step + rank)  # each model the same NumPy draws (numpy_mask)
+                kwargs = {}
+                if model_name == "generator_input":  # each model the same noise
+                    kwargs["generator"] = torch.Generator().manual_seed(1000 * step + rank)
                 with ctx, amp:
-                    loss = loss_fn(model_name, model(xin), y)
+                    loss = loss_fn(model_name, model(xin, **kwargs), y)
                     loss.backward(retain_graph=case.startswith("retain_graph"))
                 total += loss.item()
             if slot == 0:

@@ -193,7 +193,7 @@ class ForwardCheck:
         as captured, then ``compiled`` for real, whose output is returned. The first two run on
         copies of the input tensors (``fresh_inputs``), the real one on the caller's."""
         try:
-            state = ModuleState(self.module)
+            state = ModuleState(self.module, (args, kwargs))
         except Exception as exc:  # noqa: BLE001 - a state that cannot be copied: no check, no harm
             log.info(
                 "forward check: skipped, the model's state cannot be copied to run it three times (%s: %s)",

@@ -25,6 +25,8 @@ _SHALLOW = (list, dict, set)
 class ModuleState:
     """The module's buffers, Python attributes and the random number state, to put back.
 
+    ``inputs``: the forward's arguments, whose generators get their states back too.
+
     Attributes are the public entries of each submodule's ``__dict__`` (a counter, a flag, a
     ``forward`` that a trainer patched in for one call: Lightning's forward redirection puts
     the original back when called), lists, dicts and sets copied one level deep; a tensor
@@ -39,7 +41,7 @@ class ModuleState:
         (0, 0.0)
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, inputs: object = ()) -> None:
         self.rng = rng_state()
         # Each module's buffer entries, by identity and value: a forward may resize a buffer
         # (an observer's empty min_val), assign a new one or register one (created lazily).
@@ -64,7 +66,7 @@ class ModuleState:
             )
             for m in module.modules()
         ]
-        self.generators = generator_states(module)
+        self.generators = generator_states(module, inputs)
         # Tensors among the attributes (not trainable ones): their values.
         self.tensors = [
             (m, k, v, v.detach().clone())
@@ -117,9 +119,11 @@ class ModuleState:
         set_rng_state(self.rng)
 
 
-def generator_states(module: nn.Module) -> list[tuple[torch.Generator, torch.Tensor]]:
+def generator_states(module: nn.Module, inputs: object = ()) -> list[tuple[torch.Generator, torch.Tensor]]:
     """The ``torch.Generator`` objects the module's submodules keep as attributes (noise a
-    module draws from its own), with their states, for ``set_generator_states``.
+    module draws from its own) and those among ``inputs`` (a forward's arguments: diffusers'
+    ``AutoencoderKL`` samples from a ``generator=`` it is given), with their states, for
+    ``set_generator_states``.
 
     Example:
         >>> m = nn.Linear(2, 2); m.gen = torch.Generator().manual_seed(0); states = generator_states(m)
@@ -127,12 +131,9 @@ def generator_states(module: nn.Module) -> list[tuple[torch.Generator, torch.Ten
         >>> bool(torch.equal(a, torch.rand(1, generator=m.gen)))
         True
     """
-    return [
-        (v, v.get_state())
-        for m in module.modules()
-        for k, v in vars(m).items()
-        if k[:1] != "_" and isinstance(v, torch.Generator)
-    ]
+    owned = [v for m in module.modules() for k, v in vars(m).items() if k[:1] != "_"]
+    found = {id(g): g for g in [*owned, *compat.tree_leaves(inputs)] if isinstance(g, torch.Generator)}
+    return [(g, g.get_state()) for g in found.values()]
 
 
 def set_generator_states(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:

@@ -144,7 +144,7 @@ class StepCheck:
         The module itself runs, its tensors swapped for the copies (``functional_call``), so a
         forward patched to close over the module (as Accelerate's is) runs on the copies too.
         """
-        rng, generators = rng_state(), generator_states(self.module)
+        rng, generators = rng_state(), generator_states(self.module, (args, kwargs))
         params = {
             n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.module.named_parameters()
         }

@@ -139,6 +139,8 @@ def test_the_checks_compare_only_what_the_forward_gave_each_gradient(
         ("numpy_mask", "aot_eager", "numpy_stream"),
         ("own_generator", "aot_eager", "plain"),  # noise from the module's own torch.Generator
         ("own_generator", "aot_eager", "verify"),
+        ("generator_input", "aot_eager", "plain"),  # noise from a generator= the caller passes
+        ("generator_input", "aot_eager", "verify"),
     ],
 )
 def test_the_checks_never_break_a_model_that_trains(model: str, backend: str, case: str) -> None:
