@@ -207,8 +207,9 @@ class ForwardCheck:
             # check stays pending (a user's error on a first batch is the user's to see).
             reference = eager(*fresh_inputs((args, kwargs)))
         state.restore()
-        if ops.unreplayable():
-            log.info("forward check: skipped, %s", ops.unreplayable())
+        unreplayable = ops.unreplayable()
+        if unreplayable:
+            log.info("forward check: skipped, %s", unreplayable)
             self.pending = False
             return compiled(args, kwargs)
         want = _leaves(reference)

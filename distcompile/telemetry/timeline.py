@@ -99,12 +99,16 @@ def comm_figures(
     """
     c = union(comm)
     total = _length(c)
-    both = _intersection(c, union(compute))
+    return _figures(total, _intersection(c, union(compute)))
+
+
+def _figures(total: float, overlapped: float) -> dict[str, float | None]:
+    """The figures in milliseconds from communication ``total`` and its ``overlapped`` part (s)."""
     return {
         "comm_ms": total * 1e3,
-        "overlapped_ms": both * 1e3,
-        "exposed_ms": (total - both) * 1e3,
-        "overlap_pct": 100.0 * both / total if total > 0 else None,
+        "overlapped_ms": overlapped * 1e3,
+        "exposed_ms": (total - overlapped) * 1e3,
+        "overlap_pct": 100.0 * overlapped / total if total > 0 else None,
     }
 
 
@@ -122,13 +126,7 @@ def figures_less_waits(
     """
     c = union(comm)
     total = _length(c)
-    exposed = _intersection(c, union(waits))
-    return {
-        "comm_ms": total * 1e3,
-        "overlapped_ms": (total - exposed) * 1e3,
-        "exposed_ms": exposed * 1e3,
-        "overlap_pct": 100.0 * (total - exposed) / total if total > 0 else None,
-    }
+    return _figures(total, total - _intersection(c, union(waits)))
 
 
 def mean_figures(steps: Sequence[dict]) -> dict[str, float | None]:
