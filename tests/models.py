@@ -694,8 +694,37 @@ class GeneratorInput(nn.Module):
         return self.b(torch.tanh(h) + 0.1 * torch.randn(h.shape, generator=generator))
 
 
+class _NormedLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.norm = nn.BatchNorm1d(64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.norm(self.lin(x)))
+
+
+class ScriptedPart(nn.Module):
+    """A TorchScript submodule (``torch.jit.script``, as older model code ships them) with
+    BatchNorm statistics: TorchDynamo cannot trace it and skips the forward that calls it. Scripted
+    in ``after_copy``: a deep copy of a scripted module has parameters that are not leaves (torch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, 64)
+        self.mid: nn.Module = _NormedLinear()
+        self.out = nn.Linear(64, 8)
+
+    def after_copy(self) -> None:
+        self.mid = torch.jit.script(self.mid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.mid(torch.relu(self.inp(x))))
+
+
 BUILDERS.update(
     {
+        "scripted_part": ScriptedPart,
         "generator_input": GeneratorInput,
         "own_generator": OwnGenerator,
         "step_counter": StepCounter,

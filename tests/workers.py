@@ -624,19 +624,23 @@ def uncompiled_report(rank: int, world: int) -> dict:
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("distcompile.runtime.reducer")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    loggers = [logging.getLogger(f"distcompile.runtime.{name}") for name in ("reducer", "module")]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     out = {}
-    for name in ("compiler_disable", "mlp_seq"):
+    for name in ("compiler_disable", "mlp_seq", "scripted_part"):
         torch.manual_seed(0)
-        model = distcompile.wrap(DDP(BUILDERS[name]()), backend="eager")
+        inner = BUILDERS[name]()
+        getattr(inner, "after_copy", lambda: None)()
+        model = distcompile.wrap(DDP(inner), backend="eager")
         for step in range(2):
             x, y = batch(name, rank, step)
             loss_fn(name, model(x), y).backward()
-        out[name] = [(r.levelname, r.getMessage()) for r in records]
+        out[name] = [(r.levelname, r.getMessage()) for r in records if "capturing" not in r.getMessage()]
         records.clear()
-    logger.removeHandler(handler)
+    for logger in loggers:
+        logger.removeHandler(handler)
     return out
 
 

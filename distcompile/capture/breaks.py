@@ -8,7 +8,7 @@ from torch import fx
 
 from .. import _torch_compat as compat
 
-__all__ = ["graph_break_reason", "is_data_dependent"]
+__all__ = ["graph_break_reason", "is_data_dependent", "tidy_reason"]
 
 #: TorchDynamo's words for a break whose cause is a tensor's values: what runs after it
 #: (which experts a token goes to, how many times a loop turns) may differ between ranks.
@@ -43,9 +43,19 @@ def graph_break_reason(gm: fx.GraphModule) -> str | None:
     if parts is None:
         return None
     reason, stack = parts
-    text = " ".join(reason.split())
-    text = re.sub(r" Developer debug context:.*?(?= For more details|$)", "", text)  # internal detail
+    text = tidy_reason(reason)
     if stack:
         frame = stack[-1]
         text += f" (at {frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()})"
     return text
+
+
+def tidy_reason(reason: str) -> str:
+    """TorchDynamo's ``reason`` on one line, without its developer debug context.
+
+    Example:
+        >>> tidy_reason("Unsupported call\\n  Explanation: no.\\n  Developer debug context: <x>\\n")
+        'Unsupported call Explanation: no.'
+    """
+    text = " ".join(reason.split())
+    return re.sub(r" Developer debug context:.*?(?= For more details|$)", "", text)  # internal detail

@@ -9,7 +9,8 @@ import torch
 from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..capture.breaks import graph_break_reason
+from .. import _torch_compat as compat
+from ..capture.breaks import graph_break_reason, tidy_reason
 from ..capture.graph import own_forward_code, read_graph
 from ..errors import ConfigError, UnsupportedModelError
 from ..planning.plan import Plan, _fmt_bytes, plan_graph
@@ -53,6 +54,8 @@ class Explanation:
         param_bytes: Gradient bytes of every trainable parameter.
         shared: Parameters read more than once (in one graph or across graphs), with counts.
         not_in_graphs: Trainable parameters no graph reads (unused, or read by eager code only).
+        untraced: TorchDynamo's reasons for code it left to run eagerly with no graph break to
+            show for it (a skipped frame: a TorchScript submodule called in it, ...).
         advice: Suggestions where the capture costs overlap.
     """
 
@@ -62,6 +65,7 @@ class Explanation:
     param_bytes: dict[str, int]
     shared: dict[str, int] = field(default_factory=dict)
     not_in_graphs: list[str] = field(default_factory=list)
+    untraced: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
 
     @property
@@ -110,6 +114,10 @@ class Explanation:
                 "parameters no graph reads (unused, or read only by eager code): "
                 + ", ".join(self.not_in_graphs)
             )
+        if self.untraced:
+            lines.append("")
+            lines.append("code TorchDynamo did not trace (it runs eagerly, in no graph):")
+            lines.extend(f"  - {r}" for r in self.untraced)
         if self.advice:
             lines.append("")
             lines.append("advice:")
@@ -175,7 +183,8 @@ def explain(
         )
         return gm.forward
 
-    torch.compile(clone, backend=record)(*example_inputs, **example_kwargs)
+    with compat.untraced_reasons() as untraced:
+        torch.compile(clone, backend=record)(*example_inputs, **example_kwargs)
 
     uses: dict[str, int] = {}
     for g in graphs:
@@ -184,6 +193,7 @@ def explain(
     exp = Explanation(graphs=graphs, bucket_cap=cap, first_bucket_cap=first, param_bytes=param_bytes)
     exp.shared = {n: c for n, c in uses.items() if c > 1}
     exp.not_in_graphs = [n for n in param_bytes if n not in uses]
+    exp.untraced = list(map(tidy_reason, untraced))
     exp.advice = _advice(exp)
     return exp
 
@@ -197,6 +207,13 @@ def _advice(exp: Explanation) -> list[str]:
                 "last segment, and code between graphs runs eagerly. Removing the break (see the hint "
                 "in the reason) lets buckets be sized freely."
             )
+    if exp.untraced:
+        out.append(
+            "TorchDynamo gave up on part of the forward (see 'code TorchDynamo did not trace'): it runs "
+            "uncompiled, and the gradients of what it reads wait for the trailing bucket. Change that code "
+            "as the reason says (a TorchScript submodule: use the nn.Module it was scripted from), or move "
+            "it out of the forward."
+        )
     eager_bytes = sum(exp.param_bytes[n] for n in exp.not_in_graphs)
     if exp.not_in_graphs:
         out.append(

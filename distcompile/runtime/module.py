@@ -16,6 +16,7 @@ from .. import _events
 from .. import _torch_compat as compat
 from .._agreement import default_store, failed_ranks, layouts_agree, mark_failed
 from .._config import Config
+from ..capture.breaks import tidy_reason
 from ..capture.regions import RegionNotInlined, region_failure_reason
 from ..compile.backend import CompileObserver
 from ..compile.record import GraphRecord
@@ -164,11 +165,14 @@ class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):
         elif not torch.is_grad_enabled():
             check = None
         graphs = len(self.graphs)
+        # The first step captures: TorchDynamo's reasons for code it skipped are logged once.
+        watch = compat.untraced_reasons() if self._reducer.steps == 0 else contextlib.nullcontext(())
         try:
-            if isinstance(check, ForwardCheck):  # Note [First-step forward check]
-                out = check.run(lambda a, k: self.module(*a, **k), self._call_compiled, args, kwargs)
-            else:
-                out = self._call_compiled(args, kwargs)
+            with watch as untraced:
+                if isinstance(check, ForwardCheck):  # Note [First-step forward check]
+                    out = check.run(lambda a, k: self.module(*a, **k), self._call_compiled, args, kwargs)
+                else:
+                    out = self._call_compiled(args, kwargs)
         except Exception as exc:
             self._failed(exc)
             # Our own errors raised while planning inside the backend arrive wrapped by
@@ -177,6 +181,10 @@ class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):
             if isinstance(inner, DistCompileError):
                 raise inner from inner.__cause__
             raise
+        for reason in dict.fromkeys(untraced):
+            log.info(
+                "TorchDynamo did not trace part of the forward (it runs eagerly): %s", tidy_reason(reason)
+            )
         if isinstance(check, StepCheck):
             out = check.attach(out)
         elif check is None and self._check is not None and len(self.graphs) > graphs:

@@ -7,7 +7,7 @@ import torch
 import distcompile
 from tests import verify_workers, workers
 from tests.harness import run_ranks
-from tests.models import BUILDERS, CompilerDisable, GraphBreak, gpt
+from tests.models import BUILDERS, CompilerDisable, GraphBreak, ScriptedPart, gpt
 
 
 def test_explain_graph_break_without_process_group() -> None:
@@ -148,7 +148,24 @@ def test_parameters_trained_outside_every_graph_are_reported_once() -> None:
     assert level == "WARNING" and message.startswith("2 of 6 trainable parameters"), message
     assert "eager.lin.weight" in message and "47% of the bytes" in message, message
     assert "TORCH_LOGS=graph_breaks" in message, message
-    assert rank0["mlp_seq"] == [] and rank1 == {"compiler_disable": [], "mlp_seq": []}, (rank0, rank1)
+    assert rank0["mlp_seq"] == [] and rank1["mlp_seq"] == rank1["compiler_disable"] == [], (rank0, rank1)
+    # A frame TorchDynamo skipped (a TorchScript submodule called in it): its reason, said at once.
+    for res in (rank0, rank1):
+        (level, message), *rest = res["scripted_part"]
+        assert level == "INFO" and "did not trace part of the forward" in message, message
+        assert "torch.jit.script" in message and "Developer debug context" not in message, message
+    assert [m[:9] for _, m in rank0["scripted_part"][1:]] == ["8 of 8 tr"], rank0["scripted_part"]
+
+
+def test_explain_names_the_reason_for_a_frame_torchdynamo_skipped() -> None:
+    model = ScriptedPart()
+    model.after_copy()
+    exp = distcompile.explain(model, torch.randn(4, 64))
+    assert exp.graphs == [] and len(exp.not_in_graphs) == 8, exp
+    (reason,) = exp.untraced
+    assert reason.startswith("torch.jit.script/freeze modules unsupported"), reason
+    text = str(exp)
+    assert "code TorchDynamo did not trace" in text and "scripted from" in text, text
 
 
 def test_a_guard_that_fails_at_every_call_is_said_once_per_recompile() -> None:
