@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -163,3 +165,31 @@ def forward_check_run(
     except distcompile.VerificationError as exc:
         return {"error": str(exc), "step": step, "checked": model._check.checked}
     return {"error": None, "checked": model._check.checked, "graphs": len(model.graphs)}
+
+
+def saved_hooks_run(rank: int, world: int, verify: object, pack: str) -> dict:
+    """One step of a three-piece MLP (Inductor) under saved-tensors hooks that give back what
+    they got (``pack="clone"``) or an int64 for a saved bool mask (``"times_one"``): the
+    error's text, or the parameters after the step next to eager DDP's."""
+    packs = {"clone": torch.clone, "times_one": lambda t: t * 1}
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(
+        torch.nn.Linear(64, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 8),
+    )
+    ref, ours = DDP(base, bucket_cap_mb=0.01), DDP(copy.deepcopy(base), bucket_cap_mb=0.01)
+    model = distcompile.wrap(ours, backend="inductor", verify=verify)
+    x, y = batch("mlp_seq", rank, 0)
+    try:
+        for m in (ref, model):
+            with torch.autograd.graph.saved_tensors_hooks(packs[pack], lambda t: t):
+                loss = loss_fn("mlp_seq", m(x), y)
+            loss.backward()
+    except distcompile.VerificationError as exc:
+        return {"error": str(exc), "pieces": [len(g.plan.pieces) for g in model.graphs]}
+    finally:
+        model.close()
+    return {"error": None, "grads": [(p.grad, q.grad) for p, q in zip(ref.parameters(), ours.parameters())]}

@@ -28,6 +28,7 @@ __all__ = [
     "record_piece_metadata",
     "piece_metadata_count",
     "reorder_piece_metadata",
+    "saved_tensors_hooks_active",
     "saved_tensors_hooks_disabled",
     "to_fake",
 ]
@@ -214,6 +215,18 @@ def record_piece_metadata() -> None:
         raise unsupported("the tracing context's ddp_optimizer_ctx", AttributeError("ddp_optimizer_ctx"))
     ctx.curr_bucket += 1
     ctx.metadata_per_bucket.append(tracing.fw_metadata)
+
+
+def saved_tensors_hooks_active() -> bool:
+    """Whether saved-tensors hooks are in effect now (``torch.autograd.graph.saved_tensors_hooks``,
+    ``save_on_cpu``). Checked: 2.13, 2.15.
+
+    Example:
+        >>> with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        ...     saved_tensors_hooks_active()
+        True
+    """
+    return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
 
 
 def saved_tensors_hooks_disabled() -> contextlib.AbstractContextManager:

@@ -7,9 +7,18 @@ from collections.abc import Iterable
 
 import torch
 
+from .. import _torch_compat as compat
 from .bucket import as_real
 
-__all__ = ["ROUNDED_TOLERANCE", "checksums", "inexact", "max_abs", "max_diff", "rounded_tolerance"]
+__all__ = [
+    "ROUNDED_TOLERANCE",
+    "checksums",
+    "inexact",
+    "max_abs",
+    "max_diff",
+    "rounded_tolerance",
+    "saved_hooks_note",
+]
 
 #: The checks' relative tolerance where the forward computes in 16 bits, by dtype. bfloat16
 #: keeps 8 significant bits, float16 11: its rounding is 8x float16's. Measured (Inductor
@@ -76,3 +85,26 @@ def checksums(tensors: list[torch.Tensor | None], device: torch.device) -> torch
         v = torch.zeros(1, dtype=torch.float64, device=device) if t is None else as_real(t.detach()).double()
         rows.append(torch.stack([v.sum(), v.square().sum()]).to(device))
     return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64, device=device)
+
+
+def saved_hooks_note() -> str:
+    """A sentence for a check's failure when saved-tensors hooks are in effect now, else ``""``.
+
+    A compiled backward reads each tensor it saved as it was compiled to read it; a pack and
+    unpack pair that gives back another dtype, shape or strides (``t * 1`` makes a saved bool
+    mask int64) makes its gradients wrong, under ``torch.compile`` too (its DDPOptimizer trains
+    such a model silently wrong: torch 2.13, measured).
+
+    Example:
+        >>> saved_hooks_note()
+        ''
+    """
+    if not compat.saved_tensors_hooks_active():
+        return ""
+    return (
+        " Saved-tensors hooks were in effect in this forward (torch.autograd.graph.saved_tensors_hooks, "
+        "save_on_cpu): a compiled backward reads each saved tensor as compiled, so a pack/unpack pair "
+        "that gives back another dtype, shape or strides (t * 1 turns a saved bool mask into int64) "
+        "makes its gradients wrong, under torch.compile too. Have unpack give back what pack got: the "
+        "same dtype, shape and strides."
+    )

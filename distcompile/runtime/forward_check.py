@@ -77,7 +77,7 @@ from torch import nn
 from .. import _torch_compat as compat
 from ..errors import VerificationError
 from .bucket import as_real
-from .compare import inexact, max_abs, max_diff, rounded_tolerance
+from .compare import inexact, max_abs, max_diff, rounded_tolerance, saved_hooks_note
 from .grad_sources import GradSources
 from .module_state import ModuleState, fresh_inputs
 from .ops_seen import OpsSeen
@@ -185,6 +185,7 @@ class ForwardCheck:
         self.describe = describe  # the graphs of the last call and the regions in use
         self.pending = True
         self.checked = 0
+        self.note = ""  # what a failure adds (compare.saved_hooks_note), as of the checked forward
 
     def run(
         self, eager: Callable[..., object], compiled: Callable[..., object], args: tuple, kwargs: dict
@@ -219,6 +220,7 @@ class ForwardCheck:
         finally:
             state.restore()
         mark = compat.node_order()  # the compiled forward's autograd nodes come after it
+        self.note = saved_hooks_note()
         out = compiled(args, kwargs)
         self.pending = False
         self.checked += 1
@@ -335,5 +337,5 @@ class ForwardCheck:
             f"the first-step forward check found the compiled model wrong: {why}.\n  "
             + "\n  ".join(findings[:8])
             + f"\n{self.describe()}\n{fix}. wrap(..., verify=True) checks gradients too and names the "
-            "parameter; verify=False turns the check off (docs/debugging.md, 'First-step checks')."
+            f"parameter; verify=False turns the check off (docs/debugging.md, 'First-step checks').{self.note}"
         )

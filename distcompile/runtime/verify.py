@@ -58,7 +58,7 @@ from .. import _torch_compat as compat
 from ..errors import VerificationError
 from .checkpoint import rng_state, set_rng_state
 from .collectives import all_reduce_coalesced, group_device
-from .compare import checksums, inexact, max_abs, max_diff, rounded_tolerance
+from .compare import checksums, inexact, max_abs, max_diff, rounded_tolerance, saved_hooks_note
 from .grad_sources import GradSources
 from .module_state import fresh_inputs, generator_states, set_generator_states
 from .ops_seen import OpsSeen
@@ -86,6 +86,7 @@ class _Armed:
     grads_in: dict[int, torch.Tensor] = field(default_factory=dict)
     queued: bool = False
     skipped: str = ""  # why this step cannot be compared (OpsSeen.unreplayable), if it cannot
+    note: str = ""  # what a failure adds (compare.saved_hooks_note)
 
 
 class GradTap(torch.autograd.Function):
@@ -166,7 +167,7 @@ class StepCheck:
         low = rounded_tolerance(dtypes | ({torch.float16} if self.compressed else set()))
         before = {n: p.grad.detach().clone() for n, p in self.params.items() if p.grad is not None}
         self._armed = _Armed(params, buffers, ref_out, sync, low, before, compat.node_order(), self.steps())
-        self._armed.skipped = ops.unreplayable()
+        self._armed.skipped, self._armed.note = ops.unreplayable(), saved_hooks_note()
 
     def attach(self, out: object) -> object:
         """After the compiled forward: ``out`` with a tap on each output that requires grad.
@@ -237,7 +238,7 @@ class StepCheck:
             f"{self._tol(armed):.0e}). This rank found:\n  {mine}\nThe compiled model is wrong for these "
             "inputs. Walk the debugging ladder (wrap(..., backend='aot_eager'), then 'eager'; "
             "distcompile.doctor runs it) and try regions=False; a difference of rounding under 16-bit "
-            "precision may need a larger verify_tolerance."
+            f"precision may need a larger verify_tolerance.{armed.note}"
         )
 
     def _device(self) -> torch.device:

@@ -9,6 +9,7 @@ gradients differ from eager's.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests import verify_workers, workers
 from tests.harness import run_ranks
@@ -169,3 +170,17 @@ def test_the_default_check_catches_a_compiled_gradient_twice_eagers(backend: str
         assert res["error"] is not None and res["step"] == 0, res
         assert "compiled backward: gradient of lin.weight differs" in res["error"], res["error"]
         assert "2x eager's" in res["error"] and "read after the write" in res["error"], res["error"]
+
+
+@pytest.mark.parametrize("verify", ["forward", True])
+def test_a_saved_tensors_hook_that_changes_a_dtype_is_named_when_a_check_fails(verify: object) -> None:
+    # Under a pack hook t * 1, a piece's saved bool mask comes back int64 and Inductor's compiled
+    # backward reads it as bool: wrong gradients (torch's DDPOptimizer trains on, silently).
+    for res in run_ranks(verify_workers.saved_hooks_run, 2, verify, "times_one", timeout=600):
+        assert res["error"] is not None, res
+        assert "Saved-tensors hooks were in effect" in res["error"], res["error"]
+    if verify == "forward":  # hooks that give back what they got: the check passes, eager's gradients
+        for res in run_ranks(verify_workers.saved_hooks_run, 2, verify, "clone", timeout=600):
+            assert res["error"] is None, res["error"]
+            for want, got in res["grads"]:
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
