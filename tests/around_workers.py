@@ -513,3 +513,35 @@ def shared_submodule_wrapped(rank: int, world: int) -> dict:
         one.close()
         two.close()
     return {"closed": closed, "said": said}
+
+
+def functional_calls(rank: int, world: int, backend: str) -> dict:
+    """Steps that call the model through ``torch.func.functional_call`` with stand-ins computed
+    from its parameters (a perturbed copy, as sharpness-aware and meta-learning loops do),
+    between plain steps: trains as eager DDP, and nothing is adopted."""
+    said = _messages()
+    torch.manual_seed(0)
+    base = mlp_seq()
+    models = (DDP(copy.deepcopy(base)), distcompile.wrap(DDP(copy.deepcopy(base)), backend=backend))
+    opts = _sgd(*models)
+
+    def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        if step % 2 == 0:
+            return loss_fn(NAME, model(x), y)
+        stand_ins = {n: p * 1.01 + 1e-3 for n, p in model.named_parameters()}  # "module.0.weight", ...
+        return loss_fn(NAME, torch.func.functional_call(model, stand_ins, (x,)), y)
+
+    losses = [
+        step_each(models, opts, lambda m, x=x, y=y, s=s: loss_of(m, x, y, s))
+        for s, (x, y) in ((s, batch(NAME, rank, s)) for s in range(5))
+    ]
+    ref, ours = models
+    out = {
+        "losses": losses,
+        "params": _params(ours),
+        "ref_params": _params(ref),
+        "adopted": [m for m in said if "changed since wrap" in m],
+        "steps": ours._reducer.steps,
+    }
+    ours.close()
+    return out

@@ -157,6 +157,9 @@ class ModelBuild:
         if not change or change.only_rebound:
             self._retake()
             return
+        if change.only_stand_ins:  # functional_call: gradients reach the parameters through them
+            log.debug("parameters stood in for in this call (%s): nothing adopted", change.describe())
+            return
         trainable = self._watch.trainable_now()
         tensors = {**trainable, **self._watch.buffers_now()}
         missing = on_meta(tensors)

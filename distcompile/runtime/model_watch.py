@@ -32,6 +32,10 @@ Algorithm
       buffers alone first (``buffers_moved``), so that it sends the tensors the model holds.
       Until 2026-11-29 such a buffer was adopted as below at every step (0.2-0.6 s a step on
       a small model), until TorchDynamo's recompile limit left the model eager.
+      Parameters stood in for by plain tensors for one call (``torch.func.functional_call``
+      with tensors computed from them: only such a call can put a tensor that is not an
+      ``nn.Parameter`` in a parameter's entry) are not adopted either: the call's gradients
+      reach the parameters through them, and the parameters' hooks average them, as DDP's do.
       A model frozen whole (every trainable parameter), or parameters made trainable again
       that the reducer still holds (the same objects), are agreed on but not rebuilt: a GAN
       that freezes its discriminator for each generator step (StyleGAN2's loop) was rebuilt
@@ -79,6 +83,9 @@ class ModelChange:
         hooks: Modules (or parameters, by the module that holds them) whose hooks came or went:
             TorchDynamo does not see them in graphs compiled before.
         rebound: Those of ``buffers`` that hold another tensor of the same shape, dtype and device.
+        stand_ins: Parameters whose entry holds a plain tensor, not an ``nn.Parameter``: put there
+            for one call (``torch.func.functional_call``, ``nn.utils.stateless``), as nothing
+            else can (``nn.Module`` refuses to assign a plain tensor to a parameter's name).
     """
 
     replaced: tuple[str, ...] = ()
@@ -87,6 +94,19 @@ class ModelChange:
     buffers: tuple[str, ...] = ()
     hooks: tuple[str, ...] = ()
     rebound: tuple[str, ...] = ()
+    stand_ins: tuple[str, ...] = ()
+
+    @property
+    def only_stand_ins(self) -> bool:
+        """Whether the parameters that changed are stand-ins for one call, and nothing but
+        buffers (which such a call may pass too) changed besides: nothing to adopt.
+
+        Example:
+            >>> ModelChange(replaced=("lin.weight",), stand_ins=("lin.weight",)).only_stand_ins
+            True
+        """
+        params = {*self.replaced, *self.removed}
+        return bool(params) and params <= set(self.stand_ins) and not (self.added or self.hooks)
 
     @property
     def only_rebound(self) -> bool:
@@ -212,6 +232,7 @@ class ModelWatch:
             removed=tuple(n for n in before if n not in now),
             buffers=changed,
             rebound=tuple(n for n in changed if n in bufs and n in old_bufs and _alike(bufs[n], old_bufs[n])),
+            stand_ins=tuple(n for n, p in self.module.named_parameters() if not isinstance(p, nn.Parameter)),
         )
 
     def trainable_now(self) -> dict[str, nn.Parameter]:
