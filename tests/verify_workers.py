@@ -193,3 +193,38 @@ def saved_hooks_run(rank: int, world: int, verify: object, pack: str) -> dict:
     finally:
         model.close()
     return {"error": None, "grads": [(p.grad, q.grad) for p, q in zip(ref.parameters(), ours.parameters())]}
+
+
+def meta_learning_run(rank: int, world: int, verify: object) -> dict:
+    """MAML's step (backend ``eager``, as distcompile's error for ``create_graph=True`` advises):
+    an inner loss's gradients taken with ``create_graph=True``, the outer loss on the updated
+    weights, its backward through the inner one. Eager DDP's parameters next to distcompile's,
+    or the error's text."""
+    torch.manual_seed(0)
+    base = BUILDERS["mlp_seq"]()
+    ref, ours = DDP(base), DDP(copy.deepcopy(base))
+    model = distcompile.wrap(ours, backend="eager", verify=verify)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ref, model)]
+    try:
+        for step in range(3):
+            x, y = batch("mlp_seq", rank, step)
+            for m, opt in zip((ref, model), opts):
+                inner = m.module if m is ref else model.module
+                params = dict(inner.named_parameters())
+                grads = torch.autograd.grad(
+                    loss_fn("mlp_seq", m(x), y), list(params.values()), create_graph=True
+                )
+                fast = {n: p - 0.1 * g for (n, p), g in zip(params.items(), grads)}
+                loss_fn(
+                    "mlp_seq", torch.func.functional_call(inner, fast, (x.flip(0),)), y.flip(0)
+                ).backward()
+                opt.step()
+                opt.zero_grad()
+    except distcompile.VerificationError as exc:
+        return {"error": str(exc)}
+    finally:
+        model.close()
+    return {
+        "error": None,
+        "params": [(p.detach(), q.detach()) for p, q in zip(ref.parameters(), ours.parameters())],
+    }

@@ -11,6 +11,7 @@ from .. import _torch_compat as compat
 from .bucket import as_real
 
 __all__ = [
+    "HIGHER_ORDER",
     "ROUNDED_TOLERANCE",
     "checksums",
     "inexact",
@@ -27,6 +28,16 @@ __all__ = [
 #: gradients 1.5-4.4% (growing with depth) and outputs 0.6-1.4%. A model trained in
 #: bfloat16 failed the checks at float16's 2e-2 before.
 ROUNDED_TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 1e-1}
+
+
+#: Why a check does not compare a step's gradients when a backward with ``create_graph=True``
+#: reached the checked forward's outputs: the gradients its parameters then get include
+#: derivatives of that backward (MAML's outer step through an inner update), which the eager
+#: reference's first-order gradients do not.
+HIGHER_ORDER = (
+    "a backward with create_graph=True reached the checked forward's outputs (second derivatives, as "
+    "meta-learning's outer step takes through an inner update): its gradients are not replayed eagerly"
+)
 
 
 def inexact(t: torch.Tensor) -> bool:

@@ -77,7 +77,7 @@ from torch import nn
 from .. import _torch_compat as compat
 from ..errors import VerificationError
 from .bucket import as_real
-from .compare import inexact, max_abs, max_diff, rounded_tolerance, saved_hooks_note
+from .compare import HIGHER_ORDER, inexact, max_abs, max_diff, rounded_tolerance, saved_hooks_note
 from .grad_sources import GradSources
 from .module_state import ModuleState, fresh_inputs
 from .ops_seen import OpsSeen
@@ -118,6 +118,7 @@ class _Seen:
         self.out_grads: dict[int, torch.Tensor] = {}
         self.sources: GradSources | None = None
         self.queued = False
+        self.higher = False  # a backward with create_graph=True reached the outputs
 
 
 def _differentiable(t: object, grad: torch.Tensor) -> bool:
@@ -271,6 +272,7 @@ class ForwardCheck:
         return compat.tree_map_only(object, tap, out)
 
     def _output_grad(self, seen: _Seen, index: int, grad: torch.Tensor | None) -> None:
+        seen.higher = seen.higher or torch.is_grad_enabled()  # grad mode on in backward: create_graph
         if grad is not None:
             seen.out_grads[index] = grad.detach()
         if not seen.queued:
@@ -288,6 +290,9 @@ class ForwardCheck:
             sources.clear()
             return
         sources.remove()
+        if seen.higher:
+            log.info("forward check: gradients not compared, %s", HIGHER_ORDER)
+            return
         self.settle()  # the step's all-reduces complete on every rank before this one raises
         parted = self.parted()
         names = [n for n, p in self.params.items() if id(p) not in parted]

@@ -58,7 +58,7 @@ from .. import _torch_compat as compat
 from ..errors import VerificationError
 from .checkpoint import rng_state, set_rng_state
 from .collectives import all_reduce_coalesced, group_device
-from .compare import checksums, inexact, max_abs, max_diff, rounded_tolerance, saved_hooks_note
+from .compare import HIGHER_ORDER, checksums, inexact, max_abs, max_diff, rounded_tolerance, saved_hooks_note
 from .grad_sources import GradSources
 from .module_state import fresh_inputs, generator_states, set_generator_states
 from .ops_seen import OpsSeen
@@ -193,6 +193,8 @@ class StepCheck:
         return compat.tree_map_only(object, tap, out)
 
     def _record(self, armed: _Armed, index: int, grad: torch.Tensor | None) -> None:
+        if torch.is_grad_enabled():  # grad mode on in backward: create_graph=True
+            armed.skipped = armed.skipped or HIGHER_ORDER
         if grad is not None:  # None: the output got no gradient (as if zero)
             armed.grads_in[index] = grad.detach()
         if not armed.queued:
