@@ -24,6 +24,7 @@ __all__ = [
     "BACKENDS",
     "COMPRESSIONS",
     "GROUPS",
+    "check_caps",
     "CheckOptions",
     "CommunicationOptions",
     "CompileOptions",
@@ -209,10 +210,7 @@ class CommunicationOptions(_Group):
                 f"bucket_cap_mb={self.bucket_cap_mb!r} must be a positive number of MiB, None (DDP's "
                 "setting) or 'auto' (chosen from measured link and compute speed)."
             )
-        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
-            value = getattr(self, name)
-            if value is not None and value != "auto" and not value > 0:
-                raise ConfigError(f"{name}={value!r} must be a positive number of MiB (or None).")
+        check_caps(bucket_cap_mb=self.bucket_cap_mb, first_bucket_cap_mb=self.first_bucket_cap_mb)
         if self.compression not in COMPRESSIONS:
             raise ConfigError(
                 f"compression={self.compression!r} is not supported; use one of {COMPRESSIONS}."
@@ -323,6 +321,22 @@ GROUPS: dict[str, type] = {
     "telemetry": TelemetryOptions,
 }
 _GROUP_OF = {f.name: group for group, cls in GROUPS.items() for f in dataclasses.fields(cls)}
+
+
+def check_caps(**caps: object) -> None:
+    """Raise ``ConfigError`` for a bucket cap that is not a positive number of MiB (``None`` and
+    ``"auto"`` pass: their meaning is the caller's).
+
+    Example:
+        >>> check_caps(bucket_cap_mb=25, first_bucket_cap_mb=None)
+        >>> check_caps(bucket_cap_mb=-1)
+        Traceback (most recent call last):
+        ...
+        distcompile.errors.ConfigError: bucket_cap_mb=-1 must be a positive number of MiB (or None).
+    """
+    for name, value in caps.items():
+        if value is not None and value != "auto" and not value > 0:  # type: ignore[operator]
+            raise ConfigError(f"{name}={value!r} must be a positive number of MiB (or None).")
 
 
 def group_of(option: str) -> str | None:

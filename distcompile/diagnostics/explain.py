@@ -10,6 +10,7 @@ from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import _torch_compat as compat
+from .._options import check_caps
 from ..capture.breaks import graph_break_reason, tidy_reason
 from ..capture.graph import own_forward_code, read_graph
 from ..errors import ConfigError, UnsupportedModelError
@@ -154,6 +155,7 @@ def explain(
             "when wrap() runs, and explain runs without one. Pass a number of MiB here, or wrap with "
             "logdir=... and read the chosen plan in TensorBoard's text tab (plan/graph_0)."
         )
+    check_caps(bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
     cap, first = bucket_caps(model, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
 
     # A private code object: capturing afresh without touching the cache of a model that

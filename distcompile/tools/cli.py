@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .._config import BACKENDS
@@ -41,8 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("explain", help="show graphs, graph breaks, segments and buckets of the example GPT")
     exp.add_argument("--n-layer", type=int, default=4)
     exp.add_argument("--n-embd", type=int, default=128)
-    exp.add_argument("--bucket-cap-mb", type=float, default=None, help="bucket cap (default: DDP's 25 MiB)")
-    exp.add_argument("--first-bucket-cap-mb", type=float, default=None)
+    exp.add_argument("--bucket-cap-mb", type=_mib, default=None, help="bucket cap (default: DDP's 25 MiB)")
+    exp.add_argument("--first-bucket-cap-mb", type=_mib, default=None)
     report = sub.add_parser("report", help="summarize the telemetry a run wrote under LOGDIR")
     report.add_argument("logdir", help="the logdir given to distcompile.wrap (or distcompile demo)")
     events = sub.add_parser(
@@ -57,6 +58,14 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     return parser
+
+
+def _mib(text: str) -> float:
+    """A positive number of MiB, for argparse."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of MiB")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "events":
         from .._events import summary
 
+        missing = [f for f in args.files if not os.path.isfile(f)]
+        for f in missing:
+            print(f"distcompile events: no such file: {f!r}", file=sys.stderr)
+        if len(missing) == len(args.files):
+            return 1
         print(summary(args.files))
         return 0
     if args.command == "demo":

@@ -97,9 +97,24 @@ def test_example_trainer_under_torchrun(tmp_path: Path) -> None:
     assert "step    2  loss" in proc.stdout, proc.stdout
 
 
-def test_cli_rejects_bad_arguments() -> None:
+def test_cli_rejects_bad_arguments(tmp_path: Path) -> None:
     proc = run("-m", "distcompile.tools.cli", "demo", "--steps", "1", timeout=60)
     assert proc.returncode == 2 and "--steps" in proc.stderr
+    # A cap that is not positive: said before any capture (it was a ValueError from the planner).
+    proc = run("-m", "distcompile.tools.cli", "explain", "--bucket-cap-mb", "-1", timeout=60)
+    assert proc.returncode == 2 and "--bucket-cap-mb: -1 is not a positive number" in proc.stderr, proc.stderr
+    # An event log that is not there: said, not "no events recorded" with success.
+    proc = run("-m", "distcompile.tools.cli", "events", str(tmp_path / "missing.jsonl"), timeout=60)
+    assert proc.returncode == 1 and "no such file" in proc.stderr, (proc.returncode, proc.stderr)
+
+
+def test_explain_refuses_a_cap_that_is_not_positive() -> None:
+    import torch
+
+    import distcompile
+
+    with pytest.raises(distcompile.ConfigError, match="bucket_cap_mb=-1 must be a positive number"):
+        distcompile.explain(torch.nn.Linear(2, 2), torch.zeros(1, 2), bucket_cap_mb=-1)
 
 
 def test_explain_cli() -> None:
