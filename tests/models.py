@@ -704,6 +704,28 @@ class _NormedLinear(nn.Module):
         return torch.tanh(self.norm(self.lin(x)))
 
 
+class _Meter:
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+class PlainStateCounter(nn.Module):
+    """Counts its calls in a plain Python object's field and in a dict nested in a dict, and
+    ramps its output by them (a warmup schedule kept on the model): a check that runs the
+    forward more than once must count once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 8)
+        self.meter = _Meter()
+        self.cfg = {"sched": {"calls": 0}}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.meter.calls += 1
+        self.cfg["sched"]["calls"] += 1
+        return self.lin(x) * min(1.0, 0.25 * self.meter.calls) * (1.0 + 0.01 * self.cfg["sched"]["calls"])
+
+
 class ScriptedPart(nn.Module):
     """A TorchScript submodule (``torch.jit.script``, as older model code ships them) with
     BatchNorm statistics: TorchDynamo cannot trace it and skips the forward that calls it. Scripted
@@ -725,6 +747,7 @@ class ScriptedPart(nn.Module):
 BUILDERS.update(
     {
         "scripted_part": ScriptedPart,
+        "plain_state_counter": PlainStateCounter,
         "generator_input": GeneratorInput,
         "own_generator": OwnGenerator,
         "step_counter": StepCounter,

@@ -5,7 +5,8 @@ random number state (Note [First-step forward check] runs one forward three time
 from __future__ import annotations
 
 import contextlib
-import copy
+import functools
+import types
 from collections.abc import Iterator
 from typing import TypeVar
 
@@ -15,11 +16,25 @@ from torch import nn
 from .. import _torch_compat as compat
 from .checkpoint import rng_state, set_rng_state
 
-__all__ = ["ModuleState", "fresh_inputs", "generator_states", "put_back", "set_generator_states"]
+__all__ = [
+    "ModuleState",
+    "fresh_inputs",
+    "generator_states",
+    "plain_state",
+    "put_back",
+    "put_plain_state_back",
+    "set_generator_states",
+]
 
 T = TypeVar("T")
 
-_SHALLOW = (list, dict, set)
+#: Values a snapshot of plain state takes as they are (they cannot change in place).
+_ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+#: Objects whose fields are not the model's to put back: torch's own, threads, loggers, files.
+_FOREIGN = ("torch", "threading", "logging", "multiprocessing", "queue", "concurrent", "asyncio", "io")
+_FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)
+#: How deep a snapshot goes below a module's attribute (self.cfg["sched"]["n"]: two levels).
+_DEPTH = 3
 
 
 class ModuleState:
@@ -29,7 +44,8 @@ class ModuleState:
 
     Attributes are the public entries of each submodule's ``__dict__`` (a counter, a flag, a
     ``forward`` that a trainer patched in for one call: Lightning's forward redirection puts
-    the original back when called), lists, dicts and sets copied one level deep; a tensor
+    the original back when called), what lists, dicts, sets and plain objects among them
+    hold put back in place (``plain_state``); a tensor
     among them (a count kept as a plain attribute, updated in place) is put back in place,
     and is a copy during ``copies()`` as buffers are; a ``torch.Generator`` among them gets
     its state back.
@@ -55,17 +71,8 @@ class ModuleState:
             )
             for m in module.modules()
         ]
-        self.attrs = [
-            (
-                m,
-                {
-                    k: (copy.copy(v) if isinstance(v, _SHALLOW) else v)
-                    for k, v in vars(m).items()
-                    if k[:1] != "_"
-                },
-            )
-            for m in module.modules()
-        ]
+        self.attrs = [(m, {k: v for k, v in vars(m).items() if k[:1] != "_"}) for m in module.modules()]
+        self.plain = plain_state([v for _, attrs in self.attrs for v in attrs.values()])
         self.generators = generator_states(module, inputs)
         # Tensors among the attributes (not trainable ones): their values.
         self.tensors = [
@@ -111,12 +118,83 @@ class ModuleState:
             for k in [k for k in vars(m) if k[:1] != "_" and k not in attrs]:
                 delattr(m, k)  # set by the run: not there before
             for k, v in attrs.items():
-                setattr(m, k, copy.copy(v) if isinstance(v, _SHALLOW) else v)
+                setattr(m, k, v)
+        put_plain_state_back(self.plain)
         with torch.no_grad():
             for _, _, t, value in self.tensors:
                 put_back(t, value)
         set_generator_states(self.generators)
         set_rng_state(self.rng)
+
+
+def plain_state(values: list) -> list[tuple[object, object]]:
+    """What ``values`` hold, in place, for ``put_plain_state_back``: the entries of each list,
+    dict and set among them and the fields of each plain Python object (a counter kept in a
+    ``self.meter`` object or a ``self.cfg["sched"]`` dict and stepped in forward), down to
+    ``_DEPTH`` levels; tensors, modules, generators and objects of torch, threads or loggers
+    are left out, as is anything that cannot be read.
+
+    Example:
+        >>> cfg = {"sched": {"n": 0}}; saved = plain_state([cfg]); cfg["sched"]["n"] += 1
+        >>> put_plain_state_back(saved); cfg
+        {'sched': {'n': 0}}
+    """
+    out: list[tuple[object, object]] = []
+    seen: set[int] = set()
+    level = list(values)
+    for _ in range(_DEPTH + 1):
+        below = []
+        for v in level:
+            if isinstance(v, _ATOMS) or id(v) in seen or _foreign(v):
+                continue
+            seen.add(id(v))
+            try:
+                held = _held(v)
+            except Exception:  # noqa: BLE001 - an object that cannot be read is left as it is
+                continue
+            if held is not None:
+                out.append((v, held))
+                below.extend(held.values() if isinstance(held, dict) else held)
+        level = below
+    return out
+
+
+def _foreign(v: object) -> bool:
+    if isinstance(v, (torch.Tensor, nn.Module, torch.Generator, type, _FUNCTIONS)):
+        return True
+    return type(v).__module__.split(".")[0] in _FOREIGN
+
+
+def _held(v: object) -> dict | list | set | None:
+    if isinstance(v, dict):
+        return dict(v)
+    if isinstance(v, list):
+        return list(v)
+    if isinstance(v, set):
+        return set(v)
+    return dict(vars(v)) if hasattr(v, "__dict__") else None
+
+
+def put_plain_state_back(saved: list[tuple[object, object]]) -> None:
+    """Each list, dict, set and object ``plain_state`` read holds what it held then (the same
+    objects), where its entries changed."""
+    for v, held in saved:
+        try:
+            if isinstance(v, list):
+                if len(v) != len(held) or any(a is not b for a, b in zip(v, held)):
+                    v[:] = held
+                continue
+            if isinstance(v, set):
+                if v != held:
+                    v.clear()
+                    v.update(held)
+                continue
+            entries = v if isinstance(v, dict) else vars(v)
+            if entries.keys() != held.keys() or any(entries[k] is not x for k, x in held.items()):
+                entries.clear()
+                entries.update(held)
+        except Exception:  # noqa: BLE001 - one that refuses (a mapping that forbids update) stays
+            continue
 
 
 def generator_states(module: nn.Module, inputs: object = ()) -> list[tuple[torch.Generator, torch.Tensor]]:

@@ -56,11 +56,10 @@ from torch import nn
 
 from .. import _torch_compat as compat
 from ..errors import VerificationError
-from .checkpoint import rng_state, set_rng_state
 from .collectives import all_reduce_coalesced, group_device
 from .compare import HIGHER_ORDER, checksums, inexact, max_abs, max_diff, rounded_tolerance, saved_hooks_note
 from .grad_sources import GradSources
-from .module_state import fresh_inputs, generator_states, set_generator_states
+from .module_state import ModuleState, fresh_inputs
 from .ops_seen import OpsSeen
 
 __all__ = ["GradTap", "StepCheck"]
@@ -145,7 +144,7 @@ class StepCheck:
         The module itself runs, its tensors swapped for the copies (``functional_call``), so a
         forward patched to close over the module (as Accelerate's is) runs on the copies too.
         """
-        rng, generators = rng_state(), generator_states(self.module, (args, kwargs))
+        state = ModuleState(self.module, (args, kwargs))  # random numbers, attributes, generators
         params = {
             n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.module.named_parameters()
         }
@@ -159,8 +158,7 @@ class StepCheck:
             ref_out = torch.func.functional_call(
                 self.module, tensors, *fresh_inputs((args, kwargs)), strict=False
             )
-        set_rng_state(rng)  # the compiled forward draws the same random numbers
-        set_generator_states(generators)  # from the module's own generators too
+        state.restore()  # the compiled forward draws the same numbers, counts from the same count
         # 16 bits anywhere (autocast around the model or inside its forward, half parameters,
         # gradients compressed: rounded once, as float16 is): their rounding.
         dtypes = {*ops.sixteen_bit, *(p.dtype for p in self.params.values())}
