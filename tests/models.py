@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -726,6 +728,31 @@ class PlainStateCounter(nn.Module):
         return self.lin(x) * min(1.0, 0.25 * self.meter.calls) * (1.0 + 0.01 * self.cfg["sched"]["calls"])
 
 
+class MomentumEncoder(nn.Module):
+    """A key encoder of frozen parameters that forward moves toward the trained one (MoCo's
+    momentum update, under ``no_grad``): its weight by ``.data =``, its bias in place, a
+    ``_foreach_`` update of a second layer. A check that runs the forward more than once must
+    move it once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 32))
+        self.key = copy.deepcopy(self.query).requires_grad_(False)
+        with torch.no_grad():
+            for p in self.key.parameters():
+                p.mul_(0.5)
+        self.out = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            (kw, kb), (qw, qb) = self.key[0].parameters(), self.query[0].parameters()
+            kw.data = kw.data * 0.9 + qw.data * 0.1
+            kb.mul_(0.9).add_(qb, alpha=0.1)
+            torch._foreach_lerp_(list(self.key[2].parameters()), list(self.query[2].parameters()), 0.1)
+            k = self.key(x)
+        return self.out(torch.cat([self.query(x), k], 1))
+
+
 class ScriptedPart(nn.Module):
     """A TorchScript submodule (``torch.jit.script``, as older model code ships them) with
     BatchNorm statistics: TorchDynamo cannot trace it and skips the forward that calls it. Scripted
@@ -747,6 +774,7 @@ class ScriptedPart(nn.Module):
 BUILDERS.update(
     {
         "scripted_part": ScriptedPart,
+        "momentum_encoder": MomentumEncoder,
         "plain_state_counter": PlainStateCounter,
         "generator_input": GeneratorInput,
         "own_generator": OwnGenerator,

@@ -204,10 +204,11 @@ class ForwardCheck:
             )
             self.pending = False
             return compiled(args, kwargs)
-        with OpsSeen() as ops, state.copies():
+        with OpsSeen(watch=state.watched()) as ops, state.copies():
             # A forward that raises eagerly raises here, its effects kept as one call's: the
             # check stays pending (a user's error on a first batch is the user's to see).
             reference = eager(*fresh_inputs((args, kwargs)))
+        state.written = ops.written  # parameters the forward writes in place: put back too
         state.restore()
         unreplayable = ops.unreplayable()
         if unreplayable:

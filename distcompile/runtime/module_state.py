@@ -15,6 +15,7 @@ from torch import nn
 
 from .. import _torch_compat as compat
 from .checkpoint import rng_state, set_rng_state
+from .ops_seen import storage_key
 
 __all__ = [
     "ModuleState",
@@ -74,6 +75,10 @@ class ModuleState:
         self.attrs = [(m, {k: v for k, v in vars(m).items() if k[:1] != "_"}) for m in module.modules()]
         self.plain = plain_state([v for _, attrs in self.attrs for v in attrs.values()])
         self.generators = generator_states(module, inputs)
+        # Parameters: their data (aliases, no copy), put back where the forward replaced it
+        # (``p.data = ...``); copies of those it writes in place come from ``OpsSeen.written``.
+        self.params = [(p, p.data) for p in module.parameters()]
+        self.written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Tensors among the attributes (not trainable ones): their values.
         self.tensors = [
             (m, k, v, v.detach().clone())
@@ -81,6 +86,12 @@ class ModuleState:
             for k, v in attrs.items()
             if isinstance(v, torch.Tensor) and not v.requires_grad
         ]
+
+    def watched(self) -> dict[int, torch.Tensor]:
+        """The parameters by storage address, for ``OpsSeen(watch=...)``, whose ``written``
+        copies go to ``self.written``."""
+        keys = [(storage_key(p), p) for p, _ in self.params if p.numel()]
+        return {k: p for k, p in keys if k is not None}
 
     @contextlib.contextmanager
     def copies(self) -> Iterator[None]:
@@ -123,6 +134,11 @@ class ModuleState:
         with torch.no_grad():
             for _, _, t, value in self.tensors:
                 put_back(t, value)
+            for p, data in self.params:
+                if p.data_ptr() != data.data_ptr():
+                    p.data = data
+            for p, value in self.written.values():
+                put_back(p, value)
         set_generator_states(self.generators)
         set_rng_state(self.rng)
 

@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch_compat as compat
 from .checkpoint import rng_state
 
-__all__ = ["OpsSeen", "numpy_drew"]
+__all__ = ["OpsSeen", "numpy_drew", "storage_key"]
 
 _SIXTEEN = (torch.float16, torch.bfloat16)
 
@@ -40,7 +40,9 @@ class OpsSeen(TorchFunctionMode):
     region inside a float32 forward, half parameters; inside a higher-order operator's body,
     only its outputs are seen). ``drew`` (known at exit): the default random number generators
     moved (dropout, ``rand``; a draw from a ``torch.Generator`` of the user's is not seen);
-    ``numpy_drew``: NumPy's global one did (``unreplayable``).
+    ``numpy_drew``: NumPy's global one did (``unreplayable``). ``written``: for the tensors
+    ``watch`` holds (by storage address), a copy of each taken before its first in-place write
+    (a key encoder's momentum update in forward, MoCo's).
 
     Example:
         >>> with OpsSeen() as seen:
@@ -54,8 +56,10 @@ class OpsSeen(TorchFunctionMode):
         (False, {torch.bfloat16})
     """
 
-    def __init__(self) -> None:
+    def __init__(self, watch: dict[int, torch.Tensor] | None = None) -> None:
         super().__init__()
+        self.watch = watch or {}  # tensors by storage address: a copy of each before its first write
+        self.written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.drew = False
         self.numpy_drew = False
         self.sixteen_bit: set[torch.dtype] = set()
@@ -94,6 +98,8 @@ class OpsSeen(TorchFunctionMode):
         return ""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if self.watch and args and _writes(func):
+            self._keep(args[0])
         out = func(*args, **(kwargs or {}))
         if torch.bfloat16 not in self.sixteen_bit:  # the coarser of the two: nothing more to learn
             outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -101,3 +107,34 @@ class OpsSeen(TorchFunctionMode):
                 t.dtype for t in outs if isinstance(t, torch.Tensor) and t.dtype in _SIXTEEN
             )
         return out
+
+    def _keep(self, target: object) -> None:
+        """A copy of each watched tensor ``target`` (or the list a ``_foreach_`` op writes) is
+        about to be written in place, before its first write."""
+        for t in target if isinstance(target, (list, tuple)) else (target,):
+            if isinstance(t, torch.Tensor):
+                key = storage_key(t)
+                if key in self.watch and key not in self.written:
+                    held = self.watch[key]
+                    self.written[key] = (held, held.detach().clone())
+
+
+def _writes(func: object) -> bool:
+    """Whether ``func`` writes its first argument in place (``mul_``, ``_foreach_add_``,
+    ``embedding_renorm_``, ``p[i] = v``, ``p += v``)."""
+    name = getattr(func, "__name__", "")
+    return (name[-1:] == "_" and name[-2:] != "__") or name == "__setitem__" or name[:3] == "__i"
+
+
+def storage_key(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage (shared by its views and its ``.data``), or ``None`` for a
+    tensor without one (``torch.func``'s wrappers, some subclasses).
+
+    Example:
+        >>> w = torch.ones(2); storage_key(w.data) == storage_key(w[1:]) == storage_key(w)
+        True
+    """
+    try:
+        return t.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return None
