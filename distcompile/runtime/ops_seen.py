@@ -119,11 +119,24 @@ class OpsSeen(TorchFunctionMode):
                     self.written[key] = (held, held.detach().clone())
 
 
+#: Tensor methods that write their tensor in place without a trailing underscore: ``p[i] = v``,
+#: ``p += v`` and the other augmented assignments.
+_WRITING_DUNDERS = frozenset(
+    ["__setitem__"]
+    + [f"__i{op}__" for op in "add sub mul matmul truediv floordiv mod pow and or xor lshift rshift".split()]
+)
+
+
 def _writes(func: object) -> bool:
     """Whether ``func`` writes its first argument in place (``mul_``, ``_foreach_add_``,
-    ``embedding_renorm_``, ``p[i] = v``, ``p += v``)."""
+    ``embedding_renorm_``, ``p[i] = v``, ``p += v``).
+
+    Example:
+        >>> _writes(torch.Tensor.mul_), _writes(torch.Tensor.__iadd__), _writes(torch.Tensor.__int__)
+        (True, True, False)
+    """
     name = getattr(func, "__name__", "")
-    return (name[-1:] == "_" and name[-2:] != "__") or name == "__setitem__" or name[:3] == "__i"
+    return (name[-1:] == "_" and name[-2:] != "__") or name in _WRITING_DUNDERS
 
 
 def storage_key(t: torch.Tensor) -> int | None:
