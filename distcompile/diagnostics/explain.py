@@ -117,7 +117,9 @@ class Explanation:
             )
         if self.untraced:
             lines.append("")
-            lines.append("code TorchDynamo did not trace (it runs eagerly, in no graph):")
+            lines.append(
+                "code TorchDynamo did not trace, besides the breaks above (a frame it skipped runs eagerly):"
+            )
             lines.extend(f"  - {r}" for r in self.untraced)
         if self.advice:
             lines.append("")
@@ -195,7 +197,11 @@ def explain(
     exp = Explanation(graphs=graphs, bucket_cap=cap, first_bucket_cap=first, param_bytes=param_bytes)
     exp.shared = {n: c for n, c in uses.items() if c > 1}
     exp.not_in_graphs = [n for n in param_bytes if n not in uses]
-    exp.untraced = list(map(tidy_reason, untraced))
+    # Reasons that ended a graph are said with it; the rest are frames TorchDynamo skipped.
+    breaks = [g.graph_break or "" for g in graphs]
+    exp.untraced = [
+        r for r in dict.fromkeys(map(tidy_reason, untraced)) if not any(b.startswith(r) for b in breaks)
+    ]
     exp.advice = _advice(exp)
     return exp
 

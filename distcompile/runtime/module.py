@@ -165,7 +165,8 @@ class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):
         elif not torch.is_grad_enabled():
             check = None
         graphs = len(self.graphs)
-        # The first step captures: TorchDynamo's reasons for code it skipped are logged once.
+        # The first step captures: when it captured no graph at all (TorchDynamo skipped the
+        # forward: a TorchScript submodule called in it), TorchDynamo's reasons are said once.
         watch = compat.untraced_reasons() if self._reducer.steps == 0 else contextlib.nullcontext(())
         try:
             with watch as untraced:
@@ -181,10 +182,8 @@ class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):
             if isinstance(inner, DistCompileError):
                 raise inner from inner.__cause__
             raise
-        for reason in dict.fromkeys(untraced):
-            log.info(
-                "TorchDynamo did not trace part of the forward (it runs eagerly): %s", tidy_reason(reason)
-            )
+        for reason in dict.fromkeys(untraced if not self.graphs else ()):
+            log.info("TorchDynamo did not trace the forward (it runs eagerly): %s", tidy_reason(reason))
         if isinstance(check, StepCheck):
             out = check.attach(out)
         elif check is None and self._check is not None and len(self.graphs) > graphs:
