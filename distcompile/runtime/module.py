@@ -36,6 +36,7 @@ from .verify import StepCheck
 __all__ = ["DistCompiledModule", "Observer"]
 
 log = logging.getLogger(__name__)
+_NO_REASONS = contextlib.nullcontext(())  # steps after the first: nothing to watch (reusable)
 
 
 class Observer(StepObserver, CompileObserver, Protocol):
@@ -167,7 +168,7 @@ class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):
         graphs = len(self.graphs)
         # The first step captures: when it captured no graph at all (TorchDynamo skipped the
         # forward: a TorchScript submodule called in it), TorchDynamo's reasons are said once.
-        watch = compat.untraced_reasons() if self._reducer.steps == 0 else contextlib.nullcontext(())
+        watch = compat.untraced_reasons() if self._reducer.steps == 0 else _NO_REASONS
         try:
             with watch as untraced:
                 if isinstance(check, ForwardCheck):  # Note [First-step forward check]
@@ -182,7 +183,7 @@ class DistCompiledModule(ModelBuild, DDPSurface, nn.Module, Joinable):
             if isinstance(inner, DistCompileError):
                 raise inner from inner.__cause__
             raise
-        for reason in dict.fromkeys(untraced if not self.graphs else ()):
+        for reason in dict.fromkeys(untraced) if untraced and not self.graphs else ():
             log.info("TorchDynamo did not trace the forward (it runs eagerly): %s", tidy_reason(reason))
         if isinstance(check, StepCheck):
             out = check.attach(out)

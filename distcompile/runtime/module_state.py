@@ -73,8 +73,9 @@ class ModuleState:
             for m in module.modules()
         ]
         self.attrs = [(m, {k: v for k, v in vars(m).items() if k[:1] != "_"}) for m in module.modules()]
-        self.plain = plain_state([v for _, attrs in self.attrs for v in attrs.values()])
-        self.generators = generator_states(module, inputs)
+        values = [v for _, attrs in self.attrs for v in attrs.values()]
+        self.plain = plain_state(values)
+        self.generators = generator_states([*values, *compat.tree_leaves(inputs)])
         # Parameters: their data (aliases, no copy), put back where the forward replaced it
         # (``p.data = ...``); copies of those it writes in place come from ``OpsSeen.written``.
         self.params = [(p, p.data) for p in module.parameters()]
@@ -213,20 +214,18 @@ def put_plain_state_back(saved: list[tuple[object, object]]) -> None:
             continue
 
 
-def generator_states(module: nn.Module, inputs: object = ()) -> list[tuple[torch.Generator, torch.Tensor]]:
-    """The ``torch.Generator`` objects the module's submodules keep as attributes (noise a
-    module draws from its own) and those among ``inputs`` (a forward's arguments: diffusers'
-    ``AutoencoderKL`` samples from a ``generator=`` it is given), with their states, for
-    ``set_generator_states``.
+def generator_states(values: list) -> list[tuple[torch.Generator, torch.Tensor]]:
+    """The ``torch.Generator`` objects among ``values`` (what the modules keep as attributes:
+    noise a module draws from its own; a forward's arguments: diffusers' ``AutoencoderKL``
+    samples from a ``generator=`` it is given), with their states, for ``set_generator_states``.
 
     Example:
-        >>> m = nn.Linear(2, 2); m.gen = torch.Generator().manual_seed(0); states = generator_states(m)
-        >>> a = torch.rand(1, generator=m.gen); set_generator_states(states)
-        >>> bool(torch.equal(a, torch.rand(1, generator=m.gen)))
+        >>> gen = torch.Generator().manual_seed(0); states = generator_states([gen, 3])
+        >>> a = torch.rand(1, generator=gen); set_generator_states(states)
+        >>> bool(torch.equal(a, torch.rand(1, generator=gen)))
         True
     """
-    owned = [v for m in module.modules() for k, v in vars(m).items() if k[:1] != "_"]
-    found = {id(g): g for g in [*owned, *compat.tree_leaves(inputs)] if isinstance(g, torch.Generator)}
+    found = {id(g): g for g in values if isinstance(g, torch.Generator)}
     return [(g, g.get_state()) for g in found.values()]
 
 
